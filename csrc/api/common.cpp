@@ -1,0 +1,344 @@
+#include "common.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace sparse_attn {
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+ScalarKind scalar_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ScalarKind::kFloat32;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    case at::kHalf: return ScalarKind::kFloat16;
+    default: TORCH_CHECK(false, "unsupported dtype ", t, "; supported: float32, bfloat16, float16");
+  }
+}
+
+bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_head_dim(int64_t d, const char* what) {
+  TORCH_CHECK(d >= 8 && d <= kMaxHeadDim && d % 8 == 0, "head dimension of ", what,
+              " must be a multiple of 8 in [8, ", kMaxHeadDim, "], got ", d);
+}
+
+void check_last_dim(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, name,
+              " must have stride 1 in its last dimension, got strides ", t.strides());
+}
+
+void check_int32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+}
+
+}  // namespace
+
+QkvShape check_qkv(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
+  TORCH_CHECK(query.dim() == 4, "query must be 4-D (B, H, Lq, D), got ", query.dim(), "-D");
+  TORCH_CHECK(key.dim() == 4, "key must be 4-D (B, Hkv, Lk, D), got ", key.dim(), "-D");
+  TORCH_CHECK(value.dim() == 4, "value must be 4-D (B, Hkv, Lk, Dv), got ", value.dim(), "-D");
+  TORCH_CHECK(key.device() == query.device(), "query and key must be on the same device, got ",
+              query.device(), " and ", key.device());
+  TORCH_CHECK(value.device() == query.device(), "query and value must be on the same device, got ",
+              query.device(), " and ", value.device());
+  TORCH_CHECK(is_supported_dtype(query.scalar_type()), "query dtype must be float32, bfloat16 or float16, got ",
+              query.scalar_type());
+  TORCH_CHECK(key.scalar_type() == query.scalar_type(), "query and key must have the same dtype, got ",
+              query.scalar_type(), " and ", key.scalar_type());
+  TORCH_CHECK(value.scalar_type() == query.scalar_type(), "query and value must have the same dtype, got ",
+              query.scalar_type(), " and ", value.scalar_type());
+
+  QkvShape s{query.size(0), query.size(1), key.size(1), query.size(2), key.size(2), query.size(3), value.size(3)};
+  TORCH_CHECK(key.size(0) == s.b && value.size(0) == s.b,
+              "query, key and value must have the same batch size, got ", s.b, ", ", key.size(0), ", ",
+              value.size(0));
+  TORCH_CHECK(value.size(1) == s.h_kv, "key and value must have the same number of heads, got ", s.h_kv,
+              " and ", value.size(1));
+  TORCH_CHECK(value.size(2) == s.lk, "key and value must have the same sequence length, got ", s.lk, " and ",
+              value.size(2));
+  TORCH_CHECK(key.size(3) == s.d, "query and key must have the same head dimension, got ", s.d, " and ",
+              key.size(3));
+  if (s.h_kv == 0) {
+    TORCH_CHECK(s.h == 0, "key has 0 heads but query has ", s.h);
+  } else {
+    TORCH_CHECK(s.h % s.h_kv == 0, "the number of query heads (", s.h,
+                ") must be a multiple of the number of key/value heads (", s.h_kv, ")");
+  }
+  check_head_dim(s.d, "query and key");
+  check_head_dim(s.dv, "value");
+  check_last_dim(query, "query");
+  check_last_dim(key, "key");
+  check_last_dim(value, "value");
+  TORCH_CHECK(s.lq <= kInt32Max && s.lk <= kInt32Max, "sequence lengths must be below 2^31, got Lq=", s.lq,
+              ", Lk=", s.lk);
+  TORCH_CHECK(s.b <= kInt32Max && s.h <= kInt32Max, "batch and head counts must be below 2^31");
+  return s;
+}
+
+void check_same_device(const at::Tensor& query, const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device() == query.device(), name, " must be on the same device as query (", query.device(),
+              "), got ", t.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> alloc_outputs(const at::Tensor& query, const QkvShape& s) {
+  at::Tensor out = at::empty({s.b, s.lq, s.h, s.dv}, query.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({s.b, s.h, s.lq}, query.options().dtype(at::kFloat));
+  return {out, lse};
+}
+
+bool fill_trivial_outputs(const QkvShape& s, at::Tensor& out, at::Tensor& lse) {
+  if (s.b == 0 || s.h == 0 || s.lq == 0) return true;
+  if (s.lk == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return true;
+  }
+  return false;
+}
+
+double resolve_scale(const c10::optional<double>& scale, int64_t d) {
+  return scale.has_value() ? *scale : 1.0 / std::sqrt(double(d));
+}
+
+AttnFwdParams set_params_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& out, const at::Tensor& lse, const QkvShape& s,
+                             double scale) {
+  AttnFwdParams params = {};
+  params.q = q.data_ptr();
+  params.k = k.data_ptr();
+  params.v = v.data_ptr();
+  params.o = out.data_ptr();
+  params.lse = lse.data_ptr<float>();
+  params.q_batch_stride = q.stride(0);
+  params.q_head_stride = q.stride(1);
+  params.q_row_stride = q.stride(2);
+  params.k_batch_stride = k.stride(0);
+  params.k_head_stride = k.stride(1);
+  params.k_row_stride = k.stride(2);
+  params.v_batch_stride = v.stride(0);
+  params.v_head_stride = v.stride(1);
+  params.v_row_stride = v.stride(2);
+  params.o_batch_stride = out.stride(0);
+  params.o_head_stride = out.stride(1);
+  params.o_row_stride = out.stride(2);
+  params.b = int(s.b);
+  params.h = int(s.h);
+  params.h_kv = int(s.h_kv);
+  params.lq = int(s.lq);
+  params.lk = int(s.lk);
+  params.d = int(s.d);
+  params.dv = int(s.dv);
+  params.h_per_kv = s.h_kv > 0 ? int(s.h / s.h_kv) : 1;
+  params.dtype = scalar_kind(q.scalar_type());
+  params.scale = float(scale);
+  params.scale_log2 = float(scale * M_LOG2E);
+  params.window_left = -1;
+  params.window_right = -1;
+  params.kv_offset = int(s.lk - s.lq);
+  params.mask_kind = DenseMaskKind::kNone;
+  return params;
+}
+
+void set_params_window(AttnFwdParams& params, bool causal, int64_t window_left, int64_t window_right) {
+  TORCH_CHECK(window_left >= -1, "window_left must be -1 (unbounded) or >= 0, got ", window_left);
+  TORCH_CHECK(window_right >= -1, "window_right must be -1 (unbounded) or >= 0, got ", window_right);
+  if (causal) window_right = 0;
+  // A bound that reaches past every key is no bound; clamping keeps the index math in int32.
+  if (window_left >= params.lk) window_left = -1;
+  if (window_right >= params.lq) window_right = -1;
+  params.window_left = int(window_left);
+  params.window_right = int(window_right);
+}
+
+at::Tensor set_params_dense_mask(AttnFwdParams& params, const at::Tensor& query, const QkvShape& s,
+                                 const c10::optional<at::Tensor>& attn_mask) {
+  params.mask_kind = DenseMaskKind::kNone;
+  if (!attn_mask.has_value() || !attn_mask->defined()) return at::Tensor();
+  const at::Tensor& m = *attn_mask;
+  check_same_device(query, m, "attn_mask");
+  const bool is_bool = m.scalar_type() == at::kBool;
+  TORCH_CHECK(is_bool || at::isFloatingType(m.scalar_type()),
+              "attn_mask must be bool (True = attend) or floating point (added to the scores), got ",
+              m.scalar_type());
+  const std::vector<int64_t> target{s.b, s.h, s.lq, s.lk};
+  bool ok = m.dim() <= 4;
+  for (int64_t i = 0; ok && i < m.dim(); ++i) {
+    const int64_t sz = m.size(m.dim() - 1 - i), want = target[3 - i];
+    ok = sz == 1 || sz == want;
+  }
+  TORCH_CHECK(ok, "attn_mask of shape ", m.sizes(), " cannot be broadcast to (B, H, Lq, Lk) = ",
+              at::IntArrayRef(target));
+  at::Tensor mm = is_bool ? m : m.to(at::kFloat);
+  mm = mm.expand(target);
+  if (mm.stride(3) != 1) mm = mm.contiguous();
+  params.attn_mask = mm.data_ptr();
+  params.mask_batch_stride = mm.stride(0);
+  params.mask_head_stride = mm.stride(1);
+  params.mask_row_stride = mm.stride(2);
+  params.mask_kind = is_bool ? DenseMaskKind::kBool : DenseMaskKind::kAdditive;
+  return mm;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_block_sparse(
+    AttnFwdParams& params, const at::Tensor& query, const QkvShape& s, const at::Tensor& kv_num_blocks,
+    const at::Tensor& kv_indices, const at::Tensor& kv_partial, const at::Tensor& partial_masks,
+    int64_t q_block, int64_t kv_block) {
+  TORCH_CHECK(q_block == 64 || q_block == 128, "q_block must be 64 or 128, got ", q_block);
+  TORCH_CHECK(kv_block == 64 || kv_block == 128, "kv_block must be 64 or 128, got ", kv_block);
+  const std::pair<const at::Tensor*, const char*> all[] = {{&kv_num_blocks, "kv_num_blocks"},
+                                                          {&kv_indices, "kv_indices"},
+                                                          {&kv_partial, "kv_partial"},
+                                                          {&partial_masks, "partial_masks"}};
+  for (const auto& [t, name] : all) {
+    check_int32(*t, name);
+    check_same_device(query, *t, name);
+  }
+  const int64_t nqb = (s.lq + q_block - 1) / q_block, nkb = (s.lk + kv_block - 1) / kv_block;
+  TORCH_CHECK(kv_num_blocks.dim() == 3, "kv_num_blocks must be 3-D (B|1, H|1, num_q_blocks), got ",
+              kv_num_blocks.sizes());
+  const int64_t bm = kv_num_blocks.size(0), hm = kv_num_blocks.size(1);
+  TORCH_CHECK(bm == 1 || bm == s.b, "the mask's batch dimension must be 1 or B=", s.b, ", got ", bm);
+  TORCH_CHECK(hm == 1 || hm == s.h, "the mask's head dimension must be 1 or H=", s.h, ", got ", hm);
+  TORCH_CHECK(kv_num_blocks.size(2) == nqb, "the mask has ", kv_num_blocks.size(2),
+              " query blocks but Lq=", s.lq, " with q_block=", q_block, " needs ", nqb,
+              "; build the mask for this sequence length");
+  TORCH_CHECK(kv_indices.dim() == 4 && kv_indices.size(0) == bm && kv_indices.size(1) == hm &&
+                  kv_indices.size(2) == nqb,
+              "kv_indices must have shape (", bm, ", ", hm, ", ", nqb, ", max_kv_blocks), got ", kv_indices.sizes());
+  TORCH_CHECK(kv_partial.sizes() == kv_indices.sizes(), "kv_partial must have the shape of kv_indices ",
+              kv_indices.sizes(), ", got ", kv_partial.sizes());
+  TORCH_CHECK(partial_masks.dim() == 3 && partial_masks.size(1) == q_block && partial_masks.size(2) == kv_block / 32,
+              "partial_masks must have shape (P, ", q_block, ", ", kv_block / 32, "), got ", partial_masks.sizes());
+  TORCH_CHECK(partial_masks.size(0) <= kInt32Max / (q_block * kv_block / 32), "too many partial blocks");
+
+  at::Tensor cnt = kv_num_blocks.contiguous(), idx = kv_indices.contiguous(), part = kv_partial.contiguous(),
+             bits = partial_masks.contiguous();
+  params.kv_num_blocks = cnt.data_ptr<int32_t>();
+  params.kv_indices = idx.data_ptr<int32_t>();
+  params.kv_partial = part.data_ptr<int32_t>();
+  params.partial_masks = bits.data_ptr<int32_t>();
+  params.bs_batch_stride = bm == 1 ? 0 : hm * nqb;
+  params.bs_head_stride = hm == 1 ? 0 : nqb;
+  params.q_block = int(q_block);
+  params.kv_block = int(kv_block);
+  params.num_q_blocks = int(nqb);
+  params.num_kv_blocks = int(nkb);
+  params.max_kv_blocks = int(idx.size(3));
+  params.num_partial = int(bits.size(0));
+  return {cnt, idx, part, bits};
+}
+
+void set_params_gather(AttnFwdParams& params, const at::Tensor& query, const QkvShape& s,
+                       const at::Tensor& indices) {
+  check_int32(indices, "indices");
+  check_same_device(query, indices, "indices");
+  TORCH_CHECK(indices.dim() == 4, "indices must be 4-D (B, Hi, Lq, k), got ", indices.sizes());
+  const int64_t hi = indices.size(1);
+  const bool heads_ok = s.h == 0 ? hi <= 1 : (hi >= 1 && s.h % hi == 0);
+  TORCH_CHECK(indices.size(0) == s.b && indices.size(2) == s.lq && heads_ok, "indices must have shape (B=", s.b,
+              ", Hi, Lq=", s.lq, ", k) with H=", s.h, " a multiple of Hi, got ", indices.sizes());
+  TORCH_CHECK(indices.stride(3) == 1 || indices.size(3) <= 1, "indices must have stride 1 in its last dimension");
+  TORCH_CHECK(indices.size(3) <= kInt32Max, "k must be below 2^31");
+  params.indices = indices.data_ptr<int32_t>();
+  params.idx_batch_stride = indices.stride(0);
+  params.idx_head_stride = indices.stride(1);
+  params.idx_row_stride = indices.stride(2);
+  params.h_idx = int(hi);
+  params.h_per_idx = hi > 0 ? int(s.h / hi) : 1;
+  params.topk = int(indices.size(3));
+}
+
+at::Tensor set_params_select(TopkSelectParams& params, const at::Tensor& query, const at::Tensor& key,
+                             int64_t k, bool causal) {
+  const QkvShape s = check_qkv(query, key, key);
+  TORCH_CHECK(k > 0, "k must be positive, got ", k);
+  const int64_t kk = std::min(k, s.lk);
+  at::Tensor out = at::empty({s.b, s.h, s.lq, kk}, query.options().dtype(at::kInt));
+  params = {};
+  params.q = query.data_ptr();
+  params.k = key.data_ptr();
+  params.q_batch_stride = query.stride(0);
+  params.q_head_stride = query.stride(1);
+  params.q_row_stride = query.stride(2);
+  params.k_batch_stride = key.stride(0);
+  params.k_head_stride = key.stride(1);
+  params.k_row_stride = key.stride(2);
+  params.out = out.data_ptr<int32_t>();
+  params.b = int(s.b);
+  params.h = int(s.h);
+  params.h_kv = int(s.h_kv);
+  params.lq = int(s.lq);
+  params.lk = int(s.lk);
+  params.d = int(s.d);
+  params.topk = int(kk);
+  params.h_sel = int(s.h);
+  params.h_per_kv = s.h_kv > 0 ? int(s.h / s.h_kv) : 1;
+  params.kv_offset = int(s.lk - s.lq);
+  params.causal = causal;
+  params.indexer = false;
+  params.dtype = scalar_kind(query.scalar_type());
+  return out;
+}
+
+at::Tensor set_params_indexer(TopkSelectParams& params, const at::Tensor& index_query,
+                              const at::Tensor& index_key, const at::Tensor& index_weights, int64_t k,
+                              bool causal) {
+  TORCH_CHECK(index_query.dim() == 4, "index_query must be 4-D (B, Lq, HI, DI), got ", index_query.sizes());
+  TORCH_CHECK(index_key.dim() == 3, "index_key must be 3-D (B, Lk, DI), got ", index_key.sizes());
+  TORCH_CHECK(index_weights.dim() == 3, "index_weights must be 3-D (B, Lq, HI), got ", index_weights.sizes());
+  check_same_device(index_query, index_key, "index_key");
+  check_same_device(index_query, index_weights, "index_weights");
+  TORCH_CHECK(is_supported_dtype(index_query.scalar_type()),
+              "index_query dtype must be float32, bfloat16 or float16, got ", index_query.scalar_type());
+  TORCH_CHECK(index_key.scalar_type() == index_query.scalar_type() &&
+                  index_weights.scalar_type() == index_query.scalar_type(),
+              "index_query, index_key and index_weights must have the same dtype");
+  const int64_t b = index_query.size(0), lq = index_query.size(1), hi = index_query.size(2),
+                di = index_query.size(3), lk = index_key.size(1);
+  TORCH_CHECK(index_key.size(0) == b && index_key.size(2) == di, "index_key must have shape (B=", b,
+              ", Lk, DI=", di, "), got ", index_key.sizes());
+  SA_CHECK_SHAPE(index_weights, b, lq, hi);
+  TORCH_CHECK(hi >= 1, "index_query needs at least one indexer head");
+  check_head_dim(di, "index_query and index_key");
+  check_last_dim(index_query, "index_query");
+  check_last_dim(index_key, "index_key");
+  check_last_dim(index_weights, "index_weights");
+  TORCH_CHECK(k > 0, "k must be positive, got ", k);
+  TORCH_CHECK(lq <= kInt32Max && lk <= kInt32Max, "sequence lengths must be below 2^31");
+  const int64_t kk = std::min(k, lk);
+  at::Tensor out = at::empty({b, 1, lq, kk}, index_query.options().dtype(at::kInt));
+  params = {};
+  params.iq = index_query.data_ptr();
+  params.ik = index_key.data_ptr();
+  params.iw = index_weights.data_ptr();
+  params.iq_batch_stride = index_query.stride(0);
+  params.iq_row_stride = index_query.stride(1);
+  params.iq_head_stride = index_query.stride(2);
+  params.ik_batch_stride = index_key.stride(0);
+  params.ik_row_stride = index_key.stride(1);
+  params.iw_batch_stride = index_weights.stride(0);
+  params.iw_row_stride = index_weights.stride(1);
+  params.hi = int(hi);
+  params.di = int(di);
+  params.out = out.data_ptr<int32_t>();
+  params.b = int(b);
+  params.h = 1;
+  params.h_kv = 1;
+  params.lq = int(lq);
+  params.lk = int(lk);
+  params.topk = int(kk);
+  params.h_sel = 1;
+  params.h_per_kv = 1;
+  params.kv_offset = int(lk - lq);
+  params.causal = causal;
+  params.indexer = true;
+  params.dtype = scalar_kind(index_query.scalar_type());
+  return out;
+}
+
+}  // namespace sparse_attn

@@ -1,0 +1,69 @@
+// Torch glue shared by the CPU and CUDA backends: argument checks that name the argument,
+// output allocation, and set_params_* that fill the kernels' params structs.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <tuple>
+
+#include "sparse_attn/params.h"
+
+namespace sparse_attn {
+
+#define SA_CHECK_SHAPE(x, ...)                                                                 \
+  TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x " must have shape (" #__VA_ARGS__ \
+              "), got ", (x).sizes())
+
+// Largest head dimension any op supports; every multiple of 8 up to it is accepted.
+constexpr int64_t kMaxHeadDim = 256;
+
+struct QkvShape {
+  int64_t b, h, h_kv, lq, lk, d, dv;
+};
+
+// Checks query/key/value against the SDPA layout contract (DESIGN.md section 2).
+QkvShape check_qkv(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value);
+
+// A second tensor argument (mask, indices) must live where the query lives.
+void check_same_device(const at::Tensor& query, const at::Tensor& t, const char* name);
+
+// out (B, H, Lq, Dv) stored (B, Lq, H, Dv)-contiguous, and lse (B, H, Lq) fp32.
+std::tuple<at::Tensor, at::Tensor> alloc_outputs(const at::Tensor& query, const QkvShape& s);
+
+// True when there is nothing to compute; out and lse are then already filled
+// (an empty key set gives 0 and -inf), so no kernel is launched.
+bool fill_trivial_outputs(const QkvShape& s, at::Tensor& out, at::Tensor& lse);
+
+double resolve_scale(const c10::optional<double>& scale, int64_t d);
+
+AttnFwdParams set_params_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& out, const at::Tensor& lse, const QkvShape& s,
+                             double scale);
+
+// Visible band from the user's causal flag and window; -1 is unbounded.
+void set_params_window(AttnFwdParams& params, bool causal, int64_t window_left, int64_t window_right);
+
+// dense_attention's optional mask, broadcast to (B, H, Lq, Lk). Returns the tensor that must
+// stay alive while the kernel runs (uint8 for bool masks, fp32 for additive masks).
+at::Tensor set_params_dense_mask(AttnFwdParams& params, const at::Tensor& query, const QkvShape& s,
+                                 const c10::optional<at::Tensor>& attn_mask);
+
+// Block-sparse metadata (shape/dtype/device checks only; values are re-checked in the kernel).
+// Returns the contiguous copies the params point into.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_block_sparse(
+    AttnFwdParams& params, const at::Tensor& query, const QkvShape& s, const at::Tensor& kv_num_blocks,
+    const at::Tensor& kv_indices, const at::Tensor& kv_partial, const at::Tensor& partial_masks,
+    int64_t q_block, int64_t kv_block);
+
+void set_params_gather(AttnFwdParams& params, const at::Tensor& query, const QkvShape& s,
+                       const at::Tensor& indices);
+
+// Selection params and the (B, Hs, Lq, k) index tensor it fills.
+at::Tensor set_params_select(TopkSelectParams& params, const at::Tensor& query, const at::Tensor& key,
+                             int64_t k, bool causal);
+at::Tensor set_params_indexer(TopkSelectParams& params, const at::Tensor& index_query,
+                              const at::Tensor& index_key, const at::Tensor& index_weights, int64_t k,
+                              bool causal);
+
+}  // namespace sparse_attn

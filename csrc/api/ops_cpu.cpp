@@ -1,0 +1,100 @@
+// CPU backend: checks, params, and the OpenMP kernels of csrc/cpu.
+#include <torch/library.h>
+
+#include "common.h"
+#include "sparse_attn/cpu/attention_cpu.h"
+
+namespace sparse_attn {
+namespace {
+
+void check_cpu(const at::Tensor& query) {
+  TORCH_CHECK(query.device().is_cpu(), "expected CPU tensors, got ", query.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> dense_fwd_cpu(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value,
+                                                 const c10::optional<at::Tensor>& attn_mask,
+                                                 c10::optional<double> scale, bool causal) {
+  const QkvShape s = check_qkv(query, key, value);
+  check_cpu(query);
+  auto [out, lse] = alloc_outputs(query, s);
+  AttnFwdParams params = set_params_fwd(query, key, value, out, lse, s, resolve_scale(scale, s.d));
+  set_params_window(params, causal, -1, -1);
+  at::Tensor mask = set_params_dense_mask(params, query, s, attn_mask);
+  if (fill_trivial_outputs(s, out, lse)) return {out, lse};
+  at::Tensor scores = at::empty({s.b, s.h, s.lq, s.lk}, query.options().dtype(at::kFloat));
+  params.scores = scores.data_ptr<float>();
+  cpu::dense_fwd(params);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> flash_fwd_cpu(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value, c10::optional<double> scale,
+                                                 bool causal, int64_t window_left, int64_t window_right) {
+  const QkvShape s = check_qkv(query, key, value);
+  check_cpu(query);
+  auto [out, lse] = alloc_outputs(query, s);
+  AttnFwdParams params = set_params_fwd(query, key, value, out, lse, s, resolve_scale(scale, s.d));
+  set_params_window(params, causal, window_left, window_right);
+  if (fill_trivial_outputs(s, out, lse)) return {out, lse};
+  cpu::flash_fwd(params);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_num_blocks,
+    const at::Tensor& kv_indices, const at::Tensor& kv_partial, const at::Tensor& partial_masks,
+    int64_t q_block, int64_t kv_block, c10::optional<double> scale) {
+  const QkvShape s = check_qkv(query, key, value);
+  check_cpu(query);
+  auto [out, lse] = alloc_outputs(query, s);
+  AttnFwdParams params = set_params_fwd(query, key, value, out, lse, s, resolve_scale(scale, s.d));
+  auto keep = set_params_block_sparse(params, query, s, kv_num_blocks, kv_indices, kv_partial, partial_masks,
+                                      q_block, kv_block);
+  if (fill_trivial_outputs(s, out, lse)) return {out, lse};
+  cpu::block_sparse_fwd(params);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> gather_fwd_cpu(const at::Tensor& query, const at::Tensor& key,
+                                                  const at::Tensor& value, const at::Tensor& indices,
+                                                  c10::optional<double> scale) {
+  const QkvShape s = check_qkv(query, key, value);
+  check_cpu(query);
+  auto [out, lse] = alloc_outputs(query, s);
+  AttnFwdParams params = set_params_fwd(query, key, value, out, lse, s, resolve_scale(scale, s.d));
+  set_params_gather(params, query, s, indices);
+  if (fill_trivial_outputs(s, out, lse)) return {out, lse};
+  cpu::gather_fwd(params);
+  return {out, lse};
+}
+
+at::Tensor topk_select_cpu(const at::Tensor& query, const at::Tensor& key, int64_t k, bool causal) {
+  TopkSelectParams params;
+  at::Tensor out = set_params_select(params, query, key, k, causal);
+  check_cpu(query);
+  if (out.numel() > 0) cpu::topk_select(params);
+  return out;
+}
+
+at::Tensor indexer_select_cpu(const at::Tensor& index_query, const at::Tensor& index_key,
+                              const at::Tensor& index_weights, int64_t k, bool causal) {
+  TopkSelectParams params;
+  at::Tensor out = set_params_indexer(params, index_query, index_key, index_weights, k, causal);
+  check_cpu(index_query);
+  if (out.numel() > 0) cpu::topk_select(params);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sparse_attn, CPU, m) {
+  m.impl("dense_fwd", &dense_fwd_cpu);
+  m.impl("flash_fwd", &flash_fwd_cpu);
+  m.impl("block_sparse_fwd", &block_sparse_fwd_cpu);
+  m.impl("gather_fwd", &gather_fwd_cpu);
+  m.impl("topk_select", &topk_select_cpu);
+  m.impl("indexer_select", &indexer_select_cpu);
+}
+
+}  // namespace sparse_attn

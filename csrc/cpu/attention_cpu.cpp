@@ -1,0 +1,334 @@
+// CPU kernels of every op. Torch-free: they see only the params structs.
+// Scores are kept in log2 units (q pre-multiplied by scale * log2 e) so softmax uses exp2;
+// the LSE is converted back to the natural log when it is written.
+#include "sparse_attn/cpu/attention_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "sparse_attn/numeric.h"
+#include "sparse_attn/tile_iter.h"
+
+namespace sparse_attn::cpu {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLn2 = 0.69314718055994530942f;
+
+template <typename F>
+void dispatch_dtype(ScalarKind dtype, F&& f) {
+  switch (dtype) {
+    case ScalarKind::kFloat32: f(float{}); break;
+    case ScalarKind::kBFloat16: f(bf16_t{}); break;
+    case ScalarKind::kFloat16: f(fp16_t{}); break;
+  }
+}
+
+template <typename T>
+inline void load_row(const T* src, int n, float* dst, float mul = 1.f) {
+  for (int i = 0; i < n; ++i) dst[i] = to_float(src[i]) * mul;
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// "larger" in the top-k order: higher score first, lower index on ties; NaN counts as +inf so a
+// NaN key is selected and propagates instead of being silently dropped.
+inline float rank_key(float s) { return std::isnan(s) ? std::numeric_limits<float>::infinity() : s; }
+
+template <typename T>
+const T* q_row(const AttnFwdParams& p, int b, int h, int64_t i) {
+  return static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride;
+}
+template <typename T>
+const T* k_row(const AttnFwdParams& p, int b, int hk, int64_t j) {
+  return static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + j * p.k_row_stride;
+}
+template <typename T>
+const T* v_row(const AttnFwdParams& p, int b, int hk, int64_t j) {
+  return static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + j * p.v_row_stride;
+}
+template <typename T>
+T* o_row(const AttnFwdParams& p, int b, int h, int64_t i) {
+  return static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
+}
+
+// Writes out = acc / l and lse for one query row; a row that saw no key gets 0 and -inf.
+template <typename T>
+void finalize_row(const AttnFwdParams& p, int b, int h, int64_t i, const float* acc, float m, float l) {
+  T* out = o_row<T>(p, b, h, i);
+  float* lse = p.lse + (int64_t(b) * p.h + h) * p.lq + i;
+  if (l == 0.f) {
+    for (int c = 0; c < p.dv; ++c) out[c] = from_float<T>(0.f);
+    *lse = kNegInf;
+    return;
+  }
+  const float inv = 1.f / l;
+  for (int c = 0; c < p.dv; ++c) out[c] = from_float<T>(acc[c] * inv);
+  *lse = (m + std::log2(l)) * kLn2;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tiled main loop shared by flash and block-sparse attention.
+template <typename T, typename Tiles>
+void tiled_attention(const AttnFwdParams& p) {
+  const int num_m = (p.lq + kBlockM - 1) / kBlockM;
+  const int64_t work = int64_t(p.b) * p.h * num_m;
+  const int D = p.d, Dv = p.dv;
+#pragma omp parallel
+  {
+    std::vector<float> qf(kBlockM * D), kf(kBlockN * D), vf(kBlockN * Dv), s(kBlockM * kBlockN),
+        acc(kBlockM * Dv), m(kBlockM), l(kBlockM);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < work; ++w) {
+      const int m_block = int(w % num_m);
+      const int h = int((w / num_m) % p.h);
+      const int b = int(w / (int64_t(num_m) * p.h));
+      const int hk = h / p.h_per_kv;
+      const int m0 = m_block * kBlockM;
+      const int rows = std::min(kBlockM, p.lq - m0);
+      for (int r = 0; r < rows; ++r) load_row(q_row<T>(p, b, h, m0 + r), D, &qf[r * D], p.scale_log2);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), kNegInf);
+      std::fill(l.begin(), l.end(), 0.f);
+
+      const Tiles tiles(p, b, h, m_block);
+      for (int it = 0; it < tiles.num_tiles(); ++it) {
+        const int n0 = tiles.n_block(it) * kBlockN;
+        const int cols = std::min(kBlockN, p.lk - n0);
+        if (cols <= 0) continue;
+        for (int c = 0; c < cols; ++c) {
+          load_row(k_row<T>(p, b, hk, n0 + c), D, &kf[c * D]);
+          load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vf[c * Dv]);
+        }
+        const bool need_mask = tiles.tile_needs_mask(it);
+        for (int r = 0; r < rows; ++r) {
+          float* sr = &s[r * kBlockN];
+          float mx = kNegInf;
+          bool nan = false;
+          const uint64_t bits = need_mask ? tiles.visible_bits(it, m0 + r) : ~uint64_t(0);
+          for (int c = 0; c < cols; ++c) {
+            float x = dot(&qf[r * D], &kf[c * D], D);
+            if (!((bits >> c) & 1u)) x = kNegInf;
+            sr[c] = x;
+            if (x > mx) mx = x;
+            nan |= std::isnan(x);
+          }
+          if (mx == kNegInf && !nan) continue;  // nothing visible in this tile for this row
+          // A NaN score is not part of the max; exp2(NaN) carries it into l and the output.
+          const float m_new = std::max(m[r], mx);
+          const float m_ref = m_new == kNegInf ? 0.f : m_new;
+          const float alpha = std::exp2(m[r] - m_ref);  // 0 when m[r] == -inf
+          float* ar = &acc[r * Dv];
+          if (alpha != 1.f) {
+            l[r] *= alpha;
+            for (int c = 0; c < Dv; ++c) ar[c] *= alpha;
+          }
+          for (int c = 0; c < cols; ++c) {
+            const float pc = std::exp2(sr[c] - m_ref);
+            l[r] += pc;
+            if (pc != 0.f || std::isnan(pc)) axpy(pc, &vf[c * Dv], ar, Dv);
+          }
+          m[r] = m_new;
+        }
+      }
+      for (int r = 0; r < rows; ++r) finalize_row<T>(p, b, h, m0 + r, &acc[r * Dv], m[r], l[r]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The naive baseline: the paper's three steps, with S materialised in fp32.
+template <typename T>
+void dense_impl(const AttnFwdParams& p) {
+  const int64_t rows = int64_t(p.b) * p.h * p.lq;
+  const int D = p.d, Dv = p.dv;
+#pragma omp parallel
+  {
+    std::vector<float> qf(D), kf(D), vf(Dv), acc(Dv);
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < rows; ++w) {
+      const int i = int(w % p.lq), h = int((w / p.lq) % p.h), b = int(w / (int64_t(p.lq) * p.h));
+      const int hk = h / p.h_per_kv;
+      float* srow = p.scores + w * p.lk;
+      // 1. S = scale * Q K^T (+ mask)
+      load_row(q_row<T>(p, b, h, i), D, qf.data(), p.scale);
+      const int64_t mbase = int64_t(b) * p.mask_batch_stride + int64_t(h) * p.mask_head_stride +
+                            int64_t(i) * p.mask_row_stride;
+      for (int j = 0; j < p.lk; ++j) {
+        load_row(k_row<T>(p, b, hk, j), D, kf.data());
+        float x = dot(qf.data(), kf.data(), D);
+        if (p.mask_kind == DenseMaskKind::kBool) {
+          if (!static_cast<const uint8_t*>(p.attn_mask)[mbase + j]) x = kNegInf;
+        } else if (p.mask_kind == DenseMaskKind::kAdditive) {
+          x += static_cast<const float*>(p.attn_mask)[mbase + j];
+        }
+        srow[j] = window_visible(i, j, p.kv_offset, p.window_left, p.window_right) ? x : kNegInf;
+      }
+      // 2. P = softmax(S), in place (a NaN score stays out of the max and turns the row NaN)
+      float mx = kNegInf;
+      bool nan = false;
+      for (int j = 0; j < p.lk; ++j) {
+        if (srow[j] > mx) mx = srow[j];
+        nan |= std::isnan(srow[j]);
+      }
+      float sum = 0.f;
+      if (mx != kNegInf || nan) {
+        const float m_ref = mx == kNegInf ? 0.f : mx;
+        for (int j = 0; j < p.lk; ++j) { srow[j] = std::exp(srow[j] - m_ref); sum += srow[j]; }
+        mx = m_ref;
+      }
+      float* lse = p.lse + w;
+      T* out = o_row<T>(p, b, h, i);
+      if (sum == 0.f) {  // fully masked row
+        *lse = kNegInf;
+        for (int c = 0; c < Dv; ++c) out[c] = from_float<T>(0.f);
+        continue;
+      }
+      *lse = mx + std::log(sum);
+      // 3. O = P V
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int j = 0; j < p.lk; ++j) {
+        if (srow[j] == 0.f) continue;
+        load_row(v_row<T>(p, b, hk, j), Dv, vf.data());
+        axpy(srow[j] / sum, vf.data(), acc.data(), Dv);
+      }
+      for (int c = 0; c < Dv; ++c) out[c] = from_float<T>(acc[c]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+void gather_impl(const AttnFwdParams& p) {
+  const int64_t rows = int64_t(p.b) * p.h * p.lq;
+  const int D = p.d, Dv = p.dv;
+#pragma omp parallel
+  {
+    std::vector<float> qf(D), kf(D), vf(Dv), acc(Dv), s(p.topk);
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < rows; ++w) {
+      const int i = int(w % p.lq), h = int((w / p.lq) % p.h), b = int(w / (int64_t(p.lq) * p.h));
+      const int hk = h / p.h_per_kv;
+      const int32_t* idx = p.indices + b * p.idx_batch_stride + (h / p.h_per_idx) * p.idx_head_stride +
+                           int64_t(i) * p.idx_row_stride;
+      load_row(q_row<T>(p, b, h, i), D, qf.data(), p.scale_log2);
+      float mx = kNegInf;
+      bool nan = false;
+      for (int t = 0; t < p.topk; ++t) {
+        const int j = idx[t];
+        float x = kNegInf;
+        if (j >= 0 && j < p.lk) {
+          load_row(k_row<T>(p, b, hk, j), D, kf.data());
+          x = dot(qf.data(), kf.data(), D);
+        }
+        s[t] = x;
+        if (x > mx) mx = x;
+        nan |= std::isnan(x);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float l = 0.f;
+      if (mx != kNegInf || nan) {
+        if (mx == kNegInf) mx = 0.f;
+        for (int t = 0; t < p.topk; ++t) {
+          if (idx[t] < 0 || idx[t] >= p.lk) continue;
+          const float pc = std::exp2(s[t] - mx);
+          if (pc == 0.f) continue;
+          l += pc;
+          load_row(v_row<T>(p, b, hk, idx[t]), Dv, vf.data());
+          axpy(pc, vf.data(), acc.data(), Dv);
+        }
+      }
+      finalize_row<T>(p, b, h, i, acc.data(), mx, l);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Selection: scores of one query row against its visible keys, then the top k by
+// (score desc, index asc), written ascending by index. Memory: O(Lk) per thread.
+template <typename T>
+void select_impl(const TopkSelectParams& p) {
+  const int64_t rows = int64_t(p.b) * p.h_sel * p.lq;
+#pragma omp parallel
+  {
+    std::vector<float> qf(p.indexer ? int64_t(p.hi) * p.di : p.d), wf(p.indexer ? p.hi : 0),
+        kf(p.indexer ? p.di : p.d), s(p.lk);
+    std::vector<int32_t> order(p.lk);
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t w = 0; w < rows; ++w) {
+      const int i = int(w % p.lq), hs = int((w / p.lq) % p.h_sel), b = int(w / (int64_t(p.lq) * p.h_sel));
+      int64_t nv = p.lk;
+      if (p.causal) nv = std::clamp<int64_t>(int64_t(i) + p.kv_offset + 1, 0, p.lk);
+      if (p.indexer) {
+        const T* iq = static_cast<const T*>(p.iq) + b * p.iq_batch_stride + int64_t(i) * p.iq_row_stride;
+        const T* iw = static_cast<const T*>(p.iw) + b * p.iw_batch_stride + int64_t(i) * p.iw_row_stride;
+        for (int j = 0; j < p.hi; ++j) load_row(iq + j * p.iq_head_stride, p.di, &qf[int64_t(j) * p.di]);
+        load_row(iw, p.hi, wf.data());
+        for (int64_t t = 0; t < nv; ++t) {
+          load_row(static_cast<const T*>(p.ik) + b * p.ik_batch_stride + t * p.ik_row_stride, p.di, kf.data());
+          float x = 0.f;
+          for (int j = 0; j < p.hi; ++j) x += wf[j] * std::max(dot(&qf[int64_t(j) * p.di], kf.data(), p.di), 0.f);
+          s[t] = x;
+        }
+      } else {
+        const int hk = hs / p.h_per_kv;
+        load_row(static_cast<const T*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride + int64_t(i) * p.q_row_stride,
+                 p.d, qf.data());
+        for (int64_t t = 0; t < nv; ++t) {
+          load_row(static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + t * p.k_row_stride,
+                   p.d, kf.data());
+          s[t] = dot(qf.data(), kf.data(), p.d);
+        }
+      }
+      const int kk = int(std::min<int64_t>(p.topk, nv));
+      std::iota(order.begin(), order.begin() + nv, 0);
+      auto before = [&](int32_t a, int32_t c) {
+        const float ka = rank_key(s[a]), kc = rank_key(s[c]);
+        return ka > kc || (ka == kc && a < c);
+      };
+      if (kk < nv) std::nth_element(order.begin(), order.begin() + kk, order.begin() + nv, before);
+      std::sort(order.begin(), order.begin() + kk);
+      int32_t* out = p.out + w * p.topk;
+      std::copy(order.begin(), order.begin() + kk, out);
+      std::fill(out + kk, out + p.topk, -1);
+    }
+  }
+}
+
+}  // namespace
+
+void dense_fwd(const AttnFwdParams& p) {
+  dispatch_dtype(p.dtype, [&](auto t) { dense_impl<decltype(t)>(p); });
+}
+
+void flash_fwd(const AttnFwdParams& p) {
+  dispatch_dtype(p.dtype, [&](auto t) { tiled_attention<decltype(t), WindowTiles<kBlockM, kBlockN>>(p); });
+}
+
+void block_sparse_fwd(const AttnFwdParams& p) {
+  dispatch_dtype(p.dtype, [&](auto t) { tiled_attention<decltype(t), BlockSparseTiles<kBlockM, kBlockN>>(p); });
+}
+
+void gather_fwd(const AttnFwdParams& p) {
+  dispatch_dtype(p.dtype, [&](auto t) { gather_impl<decltype(t)>(p); });
+}
+
+void topk_select(const TopkSelectParams& p) {
+  dispatch_dtype(p.dtype, [&](auto t) { select_impl<decltype(t)>(p); });
+}
+
+}  // namespace sparse_attn::cpu

@@ -1,0 +1,379 @@
+// The flash attention forward kernel (mma.sync tensor cores, sm_80+): one main loop for every
+// variant; what differs is the key-tile iterator (tile_iter.h).
+//
+// Per CTA: one query tile of kBlockM rows of one (batch, head). Q stays in shared memory; K and
+// V tiles are streamed with cp.async, the V load overlapping Q K^T and the next K load
+// overlapping P V. Each warp owns kBlockM / kNWarps query rows; S and O live in registers
+// (mma.sync m16n8k16 accumulator layout), softmax statistics in fp32, in log2 units.
+#pragma once
+
+#include <cfloat>
+#include <climits>
+#include <cstdint>
+
+#include "sparse_attn/cuda/cuda_check.h"
+#include "sparse_attn/cuda/flash_fwd.h"
+#include "sparse_attn/cuda/ptx.cuh"
+#include "sparse_attn/tile_iter.h"
+
+namespace sparse_attn::cuda {
+
+template <Variant V, int kBlockM, int kBlockN>
+struct TilesOf {
+  using type = BlockSparseTiles<kBlockM, kBlockN>;
+};
+template <int kBlockM, int kBlockN>
+struct TilesOf<Variant::kWindow, kBlockM, kBlockN> {
+  using type = WindowTiles<kBlockM, kBlockN>;
+};
+
+template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant>
+struct FlashFwdTraits {
+  static constexpr ScalarKind kDtype = kDtype_;
+  using Element = typename ElementOf<kDtype>::type;
+  static constexpr FlashTile kTile = flash_fwd_tile(kHeadDim_, kVariant);
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kNWarps = kTile.warps;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kWarpRows = kBlockM / kNWarps;  // query rows per warp
+  static constexpr int kMTiles = kWarpRows / 16;       // m16 row tiles per warp
+  static constexpr int kNTiles = kBlockN / 8;          // n8 column tiles of S
+  static constexpr int kDTiles = kHeadDim / 8;         // n8 column tiles of O
+  static constexpr int kChunks = kHeadDim / 8;         // 16-byte chunks per shared-memory row
+  static constexpr int kSmemQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kSmemKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kSmemBytes = kSmemQBytes + 2 * kSmemKVBytes;  // Q, K, V
+  using Tiles = typename TilesOf<kVariant, kBlockM, kBlockN>::type;
+  static_assert(kWarpRows % 16 == 0 && kChunks % 8 == 0 && kNTiles % 2 == 0 && (kBlockN <= 64 || kBlockN % 64 == 0));
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row`. The XOR with the row spreads the eight rows
+// one ldmatrix phase reads over all 32 banks.
+template <int kChunks>
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return uint32_t((row * kChunks + (chunk ^ (row & 7))) * 16);
+}
+
+// kRows x kHeadDim tile from global memory (row stride in elements) into swizzled shared memory;
+// rows >= rows_valid and columns >= d_valid are zero-filled, never read. Each thread copies one
+// 16-byte column chunk of every kRowStep-th row, walking a pointer so that no per-row offset
+// stays live across the main loop.
+template <typename Tr, int kRows>
+__device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::Element* gmem, int64_t row_stride,
+                                          int rows_valid, int d_valid, int tid) {
+  constexpr int kRowStep = Tr::kNThreads / Tr::kChunks;
+  static_assert(Tr::kNThreads % Tr::kChunks == 0 && kRows % kRowStep == 0);
+  const int c = tid % Tr::kChunks;
+  int r = tid / Tr::kChunks;
+  const typename Tr::Element* src = gmem + r * row_stride + c * 8;
+  const int r0 = r;
+  // Destination of step i; the swizzle repeats every 8 rows, so a step of 8k rows is a constant.
+  auto dst = [&](int i) {
+    return kRowStep % 8 == 0 ? smem + swz<Tr::kChunks>(r0, c) + i * kRowStep * Tr::kChunks * 16
+                             : smem + swz<Tr::kChunks>(r0 + i * kRowStep, c);
+  };
+  if (rows_valid >= kRows && d_valid == Tr::kHeadDim) {  // the common case: no predicates
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i, src += kRowStep * row_stride) cp_async_16(dst(i), src, 16);
+    return;
+  }
+  const bool col_ok = c * 8 < d_valid;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowStep; ++i, r += kRowStep, src += kRowStep * row_stride) {
+    const bool ok = col_ok && r < rows_valid;
+    cp_async_16(dst(i), ok ? src : gmem, ok ? 16 : 0);
+  }
+}
+
+// Shared-memory address of chunk `chunk` (a compile-time step) relative to a per-thread base
+// `base` = swz(row, c0) for the thread's row and its chunk c0 in {0, 1}: for rows of >= 8 chunks
+// the swizzle is linear in the step, so each step costs one XOR with a constant.
+template <int kStep>
+__device__ __forceinline__ uint32_t swz_step(uint32_t base) {
+  return (base ^ uint32_t((kStep & 3) << 5)) + uint32_t((kStep >> 2) << 7);
+}
+
+// Hides a value from loop-invariant code motion, so that addresses derived from it are
+// recomputed where they are used instead of occupying registers for the whole loop.
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constant__ const AttnFwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMTiles = Tr::kMTiles, kNTiles = Tr::kNTiles,
+                kDTiles = Tr::kDTiles, kChunks = Tr::kChunks;
+  extern __shared__ __align__(128) char smem[];
+  const uint32_t sQ = smem_u32(smem);
+  const uint32_t sK = sQ + Tr::kSmemQBytes;
+  const uint32_t sV = sK + Tr::kSmemKVBytes;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // mma accumulator: rows g and g + 8, columns 2t, 2t + 1
+  const int num_m = (p.lq + kBlockM - 1) / kBlockM;
+  // Query tiles of one (batch, head) are adjacent, the last (heaviest under causal) first.
+  const int bh = int(blockIdx.x / num_m);
+  const int m_block = num_m - 1 - int(blockIdx.x % num_m);
+  const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
+  const int m0 = m_block * kBlockM;
+  const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                     int64_t(m0) * p.q_row_stride;
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const Element* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+
+  const typename Tr::Tiles tiles(p, b, h, m_block);
+  const int n_tiles = tiles.num_tiles();
+
+  load_tile<Tr, kBlockM>(sQ, q, p.q_row_stride, p.lq - m0, p.d, tid);
+  cp_async_commit();
+  if (n_tiles > 0) {
+    const int n0 = tiles.n_block(0) * kBlockN;
+    load_tile<Tr, kBlockN>(sK, k + int64_t(n0) * p.k_row_stride, p.k_row_stride, p.lk - n0, p.d, tid);
+  }
+  cp_async_commit();
+
+  float acc_o[kMTiles][kDTiles][4];
+  float row_max[kMTiles][2], row_sum[kMTiles][2];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int nd = 0; nd < kDTiles; ++nd)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mi][nd][e] = 0.f;
+    row_max[mi][0] = row_max[mi][1] = -INFINITY;
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
+  const int warp_row0 = warp * Tr::kWarpRows;
+  // Per-thread ldmatrix bases (see swz_step): Q rows of this warp, K rows, V rows (transposed).
+  const int r8 = lane % 8;
+  const uint32_t q_base = sQ + swz<kChunks>(warp_row0 + ((lane / 8) % 2) * 8 + r8, lane / 16);
+  const uint32_t k_base = sK + swz<kChunks>((lane / 16) * 8 + r8, (lane / 8) % 2);
+  const uint32_t v_base = sV + swz<kChunks>(((lane / 8) % 2) * 8 + r8, lane / 16);
+  constexpr uint32_t kRow16 = 16 * kChunks * 16;  // bytes of 16 shared-memory rows
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n0 = tiles.n_block(it) * kBlockN;
+    cp_async_wait<0>();
+    __syncthreads();  // K[it] (and Q) landed; every warp is done with V[it - 1]
+    load_tile<Tr, kBlockN>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride, p.lk - n0, p.dv, tid);
+    cp_async_commit();
+
+    // S = Q K^T. Fragments of k-slice kk + 1 are loaded before the MMAs of slice kk (the
+    // loads and MMAs are volatile, so this source order is the issue order).
+    float s[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
+    {
+      const uint32_t qb = opaque(q_base), kb = opaque(k_base);
+      uint32_t fa[2][kMTiles][4], fb[2][kNTiles / 2][4];
+      auto load_slice = [&](auto kk_) {
+        constexpr int kk = decltype(kk_)::value;
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) ldmatrix_x4(fa[kk % 2][mi], swz_step<kk>(qb + mi * kRow16));
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) ldmatrix_x4(fb[kk % 2][np], swz_step<kk>(kb + np * kRow16));
+      };
+      load_slice(std::integral_constant<int, 0>{});
+      static_for<Tr::kHeadDim / 16>([&](auto kk_) {
+        constexpr int kk = decltype(kk_)::value;
+        if constexpr (kk + 1 < Tr::kHeadDim / 16) load_slice(std::integral_constant<int, kk + 1>{});
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+#pragma unroll
+          for (int mi = 0; mi < kMTiles; ++mi) {
+            mma_16x8x16<Tr::kDtype>(s[mi][2 * np], fa[kk % 2][mi], fb[kk % 2][np][0], fb[kk % 2][np][1]);
+            mma_16x8x16<Tr::kDtype>(s[mi][2 * np + 1], fa[kk % 2][mi], fb[kk % 2][np][2], fb[kk % 2][np][3]);
+          }
+        }
+      });
+    }
+
+    // Online softmax in log2 units, phase by phase over all of this thread's rows so that the
+    // dependency chains of different rows interleave. Scores are scaled before the max is taken:
+    // folding the scale into exp2 as one FFMA leaves a rounding residual of up to half an ulp of
+    // |score * scale| against the separately rounded max, which overflows exp2 at large
+    // magnitudes (TESTING.md 3.3 #27), and it did not measurably help.
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
+    if (tiles.tile_needs_mask(it)) {
+      // Column ni * 8 + 2t + e of the tile is bit (ni * 8 + e) of the row's mask shifted by 2t.
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + warp_row0 + mi * 16 + g + half * 8;
+          static_for<(kBlockN + 63) / 64>([&](auto c_) {
+            constexpr int c64 = decltype(c_)::value * 64;
+            constexpr int n_end = (c64 + 64 < kBlockN ? c64 + 64 : kBlockN) / 8;
+            const uint64_t bits = tiles.visible_bits(it, row, c64) >> (2 * t);
+#pragma unroll
+            for (int ni = c64 / 8; ni < n_end; ++ni)
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (!((bits >> ((ni % 8) * 8 + e)) & 1u)) s[mi][ni][2 * half + e] = -INFINITY;
+          });
+        }
+      }
+    }
+    float mx[kMTiles][2], m_ref[kMTiles][2];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        mx[mi][half] = -INFINITY;
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni)
+          mx[mi][half] = fmaxf(mx[mi][half], fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+      }
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) mx[mi][half] = quad_max(mx[mi][half]);
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float m_new = fmaxf(row_max[mi][half], mx[mi][half]);
+        // A row with nothing visible so far keeps m = -inf; exp2 then uses 0 as reference.
+        m_ref[mi][half] = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = exp2f(row_max[mi][half] - m_ref[mi][half]);
+        row_max[mi][half] = m_new;
+        row_sum[mi][half] *= alpha;
+#pragma unroll
+        for (int nd = 0; nd < kDTiles; ++nd) {
+          acc_o[mi][nd][2 * half] *= alpha;
+          acc_o[mi][nd][2 * half + 1] *= alpha;
+        }
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][ni][e] = exp2f(s[mi][ni][e] - m_ref[mi][e / 2]);
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float sum = 0.f;
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni) sum += s[mi][ni][2 * half] + s[mi][ni][2 * half + 1];
+        row_sum[mi][half] += sum;
+      }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V[it] landed; every warp is done with K[it]
+    if (it + 1 < n_tiles) {
+      const int n1 = tiles.n_block(it + 1) * kBlockN;
+      load_tile<Tr, kBlockN>(sK, k + int64_t(n1) * p.k_row_stride, p.k_row_stride, p.lk - n1, p.d, tid);
+    }
+    cp_async_commit();
+
+    // O += P V. P is packed to 16 bits once (its layout is mma's A-operand layout); V fragments
+    // stream through a ring of kVRing ldmatrix results, each loaded kVRing steps before its use.
+    uint32_t pa[kMTiles][kBlockN / 16][4];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        pa[mi][kk][0] = pack2<Tr::kDtype>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+        pa[mi][kk][1] = pack2<Tr::kDtype>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+        pa[mi][kk][2] = pack2<Tr::kDtype>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+        pa[mi][kk][3] = pack2<Tr::kDtype>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+      }
+    }
+    {
+      constexpr int kPairs = kDTiles / 2;                    // ldmatrix.x4 per 16 keys
+      constexpr int kSteps = (kBlockN / 16) * kPairs;        // (key slice, column pair) steps
+      constexpr int kVRing = kPairs < 8 ? kPairs : 8;
+      const uint32_t vb = opaque(v_base);
+      uint32_t ring[kVRing][4];
+      auto load_v = [&](auto j_) {
+        constexpr int j = decltype(j_)::value;
+        ldmatrix_x4_trans(ring[j % kVRing], swz_step<j % kPairs>(vb + (j / kPairs) * kRow16));
+      };
+      static_for<kVRing>(load_v);
+      static_for<kSteps>([&](auto j_) {
+        constexpr int j = decltype(j_)::value, kk = j / kPairs, dp = j % kPairs;
+        const uint32_t b0 = ring[j % kVRing][0], b1 = ring[j % kVRing][1], b2 = ring[j % kVRing][2],
+                       b3 = ring[j % kVRing][3];
+        if constexpr (j + kVRing < kSteps) load_v(std::integral_constant<int, j + kVRing>{});
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          mma_16x8x16<Tr::kDtype>(acc_o[mi][2 * dp], pa[mi][kk], b0, b1);
+          mma_16x8x16<Tr::kDtype>(acc_o[mi][2 * dp + 1], pa[mi][kk], b2, b3);
+        }
+      });
+    }
+  }
+
+  // Epilogue: O / l through shared memory (Q's space) for 16-byte coalesced stores; LSE.
+  cp_async_wait<0>();
+  __syncthreads();
+  char* smem_o = smem;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float l = quad_sum(row_sum[mi][half]);
+      const float inv = l == 0.f ? 0.f : 1.f / l;  // an empty row gives 0; NaN stays NaN
+      const int r = warp_row0 + mi * 16 + g + half * 8;
+#pragma unroll
+      for (int nd = 0; nd < kDTiles; ++nd) {
+        *reinterpret_cast<uint32_t*>(smem_o + swz<kChunks>(r, nd) + t * 4) =
+            pack2<Tr::kDtype>(acc_o[mi][nd][2 * half] * inv, acc_o[mi][nd][2 * half + 1] * inv);
+      }
+      if (t == 0 && m0 + r < p.lq) {
+        const float lse = l == 0.f ? -INFINITY : (row_max[mi][half] + __log2f(l)) * 0.69314718055994530942f;
+        p.lse[(int64_t(b) * p.h + h) * p.lq + m0 + r] = lse;
+      }
+    }
+  }
+  __syncthreads();
+  Element* o = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+#pragma unroll
+  for (int i = 0; i < kBlockM * kChunks / Tr::kNThreads; ++i) {
+    const int idx = i * Tr::kNThreads + tid;
+    const int r = idx / kChunks, c = idx % kChunks;
+    if (m0 + r < p.lq && c * 8 < p.dv) {
+      *reinterpret_cast<uint4*>(o + int64_t(m0 + r) * p.o_row_stride + c * 8) =
+          *reinterpret_cast<const uint4*>(smem_o + swz<kChunks>(r, c));
+    }
+  }
+#else
+  __trap();  // built for an architecture without bf16 mma.sync: the launcher never gets here
+#endif
+}
+
+}  // namespace sparse_attn::cuda
+
+namespace sparse_attn {
+
+template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
+cudaError_t run_flash_fwd_(const AttnFwdParams& params, cudaStream_t stream) {
+  using Tr = cuda::FlashFwdTraits<kDtype, kHeadDim, kVariant>;
+  const int64_t num_m = (int64_t(params.lq) + Tr::kBlockM - 1) / Tr::kBlockM;
+  const int64_t grid = num_m * params.b * params.h;
+  if (grid == 0) return cudaSuccess;
+  if (grid > INT_MAX) return cudaErrorInvalidConfiguration;
+  auto kernel = cuda::flash_fwd_kernel<Tr>;
+  SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+  kernel<<<unsigned(grid), Tr::kNThreads, Tr::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace sparse_attn

@@ -1,0 +1,94 @@
+// Parameters of the attention forward family (dense, flash, block-sparse, gather).
+// Plain C++: no torch, no CUDA. Filled once by set_params_* in csrc/api and passed by value
+// to every kernel (as a __grid_constant__ on the GPU).
+#pragma once
+
+#include <cstdint>
+
+namespace sparse_attn {
+
+enum class ScalarKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Kinds of element mask accepted by dense_attention.
+enum class DenseMaskKind : int { kNone = 0, kBool = 1, kAdditive = 2 };
+
+struct AttnFwdParams {
+  // ---- tensors (element strides, last dimension has stride 1) ----
+  const void* __restrict__ q;  // (B, H, Lq, D), dtype
+  const void* __restrict__ k;  // (B, Hkv, Lk, D), dtype
+  const void* __restrict__ v;  // (B, Hkv, Lk, Dv), dtype
+  void* __restrict__ o;        // (B, H, Lq, Dv), dtype
+  float* __restrict__ lse;     // (B, H, Lq), fp32, contiguous; natural log
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+
+  int b, h, h_kv, lq, lk, d, dv;
+  int h_per_kv;  // H / Hkv: query head h reads kv head h / h_per_kv
+  ScalarKind dtype;
+
+  float scale;       // softmax scale applied to q.k
+  float scale_log2;  // scale * log2(e): kernels use exp2
+
+  // ---- visibility of the dense / windowed family ----
+  // Key j is visible from query i iff
+  //   (window_left  < 0 || j >= i + kv_offset - window_left) &&
+  //   (window_right < 0 || j <= i + kv_offset + window_right)
+  // kv_offset = Lk - Lq aligns causal masks to the bottom right; causal = (-1, 0).
+  int window_left, window_right;
+  int kv_offset;
+
+  // ---- dense_attention only ----
+  float* __restrict__ scores;          // (B, H, Lq, Lk), fp32 workspace: S = scale * Q K^T
+  void* __restrict__ probs;            // (B, H, Lq, Lk), dtype workspace (CUDA: P for the PV product)
+  const void* __restrict__ attn_mask;  // broadcast to (B, H, Lq, Lk): uint8 (bool) or fp32 (additive)
+  int64_t mask_batch_stride, mask_head_stride, mask_row_stride;  // 0 where broadcast
+  DenseMaskKind mask_kind;
+
+  // ---- block_sparse_attention only ----
+  // Per (batch, head, query block): the key blocks to visit, ascending. Size-1 batch/head
+  // dimensions broadcast through zero strides.
+  const int32_t* __restrict__ kv_num_blocks;  // (Bm, Hm, nQb), int32
+  const int32_t* __restrict__ kv_indices;     // (Bm, Hm, nQb, maxKb), int32
+  const int32_t* __restrict__ kv_partial;     // (Bm, Hm, nQb, maxKb), int32: -1 full, else row of partial_masks
+  const int32_t* __restrict__ partial_masks;  // (P, q_block, kv_block / 32), int32 bit words; bit c%32 of word c/32
+  int64_t bs_batch_stride, bs_head_stride;    // strides of kv_num_blocks over (Bm, Hm); indices use * max_kv_blocks
+  int q_block, kv_block;
+  int num_q_blocks, num_kv_blocks, max_kv_blocks, num_partial;
+
+  // ---- gather (top-k) attention only ----
+  const int32_t* __restrict__ indices;  // (B, Hi, Lq, topk), int32; -1 (or out of range) = no key
+  int64_t idx_batch_stride, idx_head_stride, idx_row_stride;
+  int h_idx;         // Hi: 1 (shared by all heads), Hkv or H
+  int h_per_idx;     // H / Hi
+  int topk;
+};
+
+// Parameters of top-k selection (exact per-head scores, or the lightning indexer).
+struct TopkSelectParams {
+  // Exact mode: score(i, j) = q_h[i] . k_h[j]; one index set per query head.
+  const void* __restrict__ q;  // (B, H, Lq, D), dtype
+  const void* __restrict__ k;  // (B, Hkv, Lk, D), dtype
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  // Indexer mode: score(t, s) = sum_j w[t, j] * relu(qi[t, j] . ki[s]); one index set per token.
+  const void* __restrict__ iq;  // (B, Lq, HI, DI), dtype
+  const void* __restrict__ ik;  // (B, Lk, DI), dtype
+  const void* __restrict__ iw;  // (B, Lq, HI), dtype
+  int64_t iq_batch_stride, iq_row_stride, iq_head_stride;
+  int64_t ik_batch_stride, ik_row_stride;
+  int64_t iw_batch_stride, iw_row_stride;
+  int hi, di;
+
+  int32_t* __restrict__ out;  // (B, Hs, Lq, topk), int32, contiguous; ascending, -1 padded
+  int b, h, h_kv, lq, lk, d, topk;
+  int h_sel;     // heads with their own index set: H (exact) or 1 (indexer)
+  int h_per_kv;  // H / Hkv
+  int kv_offset;  // Lk - Lq
+  bool causal;
+  bool indexer;
+  ScalarKind dtype;
+};
+
+}  // namespace sparse_attn

@@ -1,0 +1,141 @@
+// Key-tile iterators: the one thing that differs between dense, causal, windowed and
+// block-sparse attention. The attention main loops (CPU and GPU) are written once against
+// this interface, constructed per (batch, head, query tile):
+//
+//   int  num_tiles()                       how many key tiles the query tile visits
+//   int  n_block(it)                       which key tile (in units of kBlockN) is the it-th
+//   bool tile_needs_mask(it)               may any element of the it-th tile be hidden?
+//   uint64_t visible_bits(it, row, col0)   bit c set iff key n_block(it) * kBlockN + col0 + c is
+//                                          visible from query `row` (col0: a multiple of 64, 0 when
+//                                          kBlockN <= 64); only called when
+//                                          tile_needs_mask(it), once per row and tile, so the
+//                                          per-element cost is a bit test
+//
+// A tile that is not visible at all contributes nothing: the main loops never need to skip.
+// Everything here is host+device so both backends share one definition of the semantics.
+#pragma once
+
+#include <cstdint>
+
+#include "sparse_attn/params.h"
+#include "sparse_attn/platform.h"
+
+namespace sparse_attn {
+
+SA_HD int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+SA_HD int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// Bits lo..hi (inclusive) set; empty when hi < lo. Bounds are clamped to [0, 63].
+SA_HD uint64_t bit_range(int64_t lo, int64_t hi) {
+  if (lo < 0) lo = 0;
+  if (hi > 63) hi = 63;
+  if (hi < lo) return 0;
+  return (~uint64_t(0) >> (63 - hi)) & (~uint64_t(0) << lo);
+}
+
+// The band predicate of the dense family: key j is visible from query i iff
+// i + off - left <= j <= i + off + right, a negative bound being unbounded.
+SA_HD bool window_visible(int64_t i, int64_t j, int off, int left, int right) {
+  const int64_t rel = j - i - off;
+  return (left < 0 || rel >= -int64_t(left)) && (right < 0 || rel <= right);
+}
+
+// Dense attention with an optional band: key j is visible from query i iff
+// i + off - left <= j <= i + off + right (a negative bound is unbounded). Causal is (-1, 0).
+// Tiles are visited from the last to the first so that the masked diagonal tiles come first.
+template <int kBlockM, int kBlockN>
+struct WindowTiles {
+  int m0, m1;  // query rows [m0, m1) of this tile
+  int lk, left, right, off;
+  int n_begin, n_end;
+
+  SA_HD WindowTiles(const AttnFwdParams& p, int /*bidb*/, int /*bidh*/, int m_block)
+      : m0(m_block * kBlockM),
+        m1(int(min64(int64_t(m_block + 1) * kBlockM, p.lq))),
+        lk(p.lk), left(p.window_left), right(p.window_right), off(p.kv_offset) {
+    const int64_t lo = left < 0 ? 0 : max64(0, int64_t(m0) + off - left);
+    const int64_t hi = right < 0 ? lk : min64(lk, int64_t(m1) - 1 + off + right + 1);
+    if (hi <= lo) {
+      n_begin = n_end = 0;
+    } else {
+      n_begin = int(lo / kBlockN);
+      n_end = int((hi + kBlockN - 1) / kBlockN);
+    }
+  }
+
+  SA_HD int num_tiles() const { return n_end - n_begin; }
+  SA_HD int n_block(int it) const { return n_end - 1 - it; }
+
+  SA_HD bool tile_needs_mask(int it) const {
+    const int64_t n0 = int64_t(n_block(it)) * kBlockN, n1 = n0 + kBlockN;
+    return n1 > lk || (left >= 0 && n0 < int64_t(m1) - 1 + off - left) ||
+           (right >= 0 && n1 - 1 > int64_t(m0) + off + right);
+  }
+
+  SA_HD uint64_t visible_bits(int it, int row, int col0 = 0) const {
+    const int64_t n0 = int64_t(n_block(it)) * kBlockN + col0, base = int64_t(row) + off - n0;
+    const int64_t lo = left < 0 ? 0 : base - left;
+    int64_t hi = min64(kBlockN - col0 - 1, lk - 1 - n0);
+    if (right >= 0) hi = min64(hi, base + right);
+    return bit_range(lo, hi);
+  }
+};
+
+// Block-sparse attention: the query tile lies inside one mask query block; it visits that
+// block's key blocks in ascending order, kv_block / kBlockN tiles each. Full blocks need no
+// element mask (only the ragged tail of the keys); partial blocks read their bit mask.
+// Indices are re-checked here so that a malformed mask can never address memory out of range:
+// an invalid entry becomes a tile with nothing visible.
+template <int kBlockM, int kBlockN>
+struct BlockSparseTiles {
+  const int32_t* idx;   // (maxKb,) key blocks of this query block
+  const int32_t* part;  // (maxKb,) partial mask row or -1
+  const int32_t* masks;
+  int count, sub, q_block, kv_block, words, row0, lk, nkb, npart;
+
+  SA_HD BlockSparseTiles(const AttnFwdParams& p, int bidb, int bidh, int m_block)
+      : masks(p.partial_masks), sub(p.kv_block / kBlockN), q_block(p.q_block), kv_block(p.kv_block),
+        words(p.kv_block / 32), lk(p.lk), nkb(p.num_kv_blocks), npart(p.num_partial) {
+    const int qb = (m_block * kBlockM) / p.q_block;
+    row0 = qb * p.q_block;
+    const int64_t row = int64_t(bidb) * p.bs_batch_stride + int64_t(bidh) * p.bs_head_stride + qb;
+    const int c = p.kv_num_blocks[row];
+    count = c < 0 ? 0 : (c > p.max_kv_blocks ? p.max_kv_blocks : c);
+    idx = p.kv_indices + row * p.max_kv_blocks;
+    part = p.kv_partial + row * p.max_kv_blocks;
+  }
+
+  SA_HD bool block_ok(int e) const {
+    const int kb = idx[e], pid = part[e];
+    return kb >= 0 && kb < nkb && pid >= -1 && pid < npart;
+  }
+
+  SA_HD int num_tiles() const { return count * sub; }
+
+  SA_HD int n_block(int it) const {
+    const int e = it / sub;
+    return block_ok(e) ? idx[e] * sub + it % sub : 0;
+  }
+
+  SA_HD bool tile_needs_mask(int it) const {
+    const int e = it / sub;
+    return !block_ok(e) || part[e] >= 0 || int64_t(n_block(it) + 1) * kBlockN > lk;
+  }
+
+  SA_HD uint64_t visible_bits(int it, int row, int /*col0*/ = 0) const {
+    static_assert(kBlockN == 32 || kBlockN == 64, "one or two mask words per tile row");
+    const int e = it / sub;
+    if (!block_ok(e)) return 0;
+    const int64_t n0 = int64_t(n_block(it)) * kBlockN;
+    const uint64_t in_range = bit_range(0, min64(kBlockN - 1, lk - 1 - n0));
+    const int pid = part[e];
+    if (pid < 0) return in_range;
+    // Words of this row covering the tile's columns (it % sub selects the tile within the block).
+    const int32_t* w = masks + (int64_t(pid) * q_block + (row - row0)) * words + (it % sub) * (kBlockN / 32);
+    uint64_t bits = uint32_t(w[0]);
+    if constexpr (kBlockN == 64) bits |= uint64_t(uint32_t(w[1])) << 32;
+    return bits & in_range;
+  }
+};
+
+}  // namespace sparse_attn
