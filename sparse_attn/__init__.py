@@ -1,0 +1,37 @@
+"""sparse_attn: dense, flash, block-sparse and top-k attention for PyTorch.
+
+>>> import torch, sparse_attn
+>>> q = k = v = torch.randn(1, 4, 256, 64)
+>>> out = sparse_attn.flash_attention(q, k, v, causal=True)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import (
+    _C,  # noqa: F401  (registers the sparse_attn::* ops)
+    _meta,  # noqa: F401  (fake kernels and autograd registrations)
+    patterns,
+    reference,
+)
+from .masks import BlockSparseMask
+from .ops import block_sparse_attention, dense_attention, flash_attention, topk_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockSparseMask",
+    "block_sparse_attention",
+    "cuda_kernels_available",
+    "dense_attention",
+    "flash_attention",
+    "patterns",
+    "reference",
+    "topk_attention",
+]
+
+
+def cuda_kernels_available() -> bool:
+    """True when this build holds the CUDA kernels (a GPU may still be absent)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("sparse_attn::flash_fwd", "CUDA")
