@@ -1,0 +1,268 @@
+"""Op-registration hygiene (TESTING.md section 4 item 9): schemas, fake kernels and autograd
+registrations pass torch.library.opcheck; the public ops trace under torch.compile(fullgraph=True)
+and match eager; backward raises a clear NotImplementedError (the ops are forward-only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from utils import make_qkv
+
+import sparse_attn
+from sparse_attn import patterns
+
+# opcheck's schema test goes through TorchScript, which warns that it is deprecated.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+OPS = torch.ops.sparse_attn
+OP_NAMES = ["dense_fwd", "flash_fwd", "block_sparse_fwd", "gather_fwd", "topk_select", "indexer_select"]
+ATTENTION_OPS = ["dense_fwd", "flash_fwd", "block_sparse_fwd", "gather_fwd"]
+NO_BACKWARD = r"backward pass is not implemented"
+
+
+def _qkv(dtype=torch.float32, requires_grad=False, lq=40, lk=56):
+    q, k, v = make_qkv(1, 4, 2, lq, lk, 64, dtype=dtype, seed=0)
+    return tuple(t.detach().requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def _indexer(lq=40, lk=56, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    return (
+        torch.randn(1, lq, 2, 32, generator=g).to(dtype),
+        torch.randn(1, lk, 32, generator=g).to(dtype),
+        torch.randn(1, lq, 2, generator=g).to(dtype),
+    )
+
+
+def _block_args(m):
+    return (m.kv_num_blocks, m.kv_indices, m.kv_partial, m.partial_masks, m.q_block, m.kv_block)
+
+
+def _samples(name, dtype=torch.float32, requires_grad=False):
+    """A few argument tuples per op, covering its optional arguments."""
+    q, k, v = _qkv(dtype, requires_grad)
+    lq, lk = q.shape[2], k.shape[2]
+    if name == "dense_fwd":
+        bool_mask = torch.rand(lq, lk, generator=torch.Generator().manual_seed(2)) < 0.5
+        return [
+            (q, k, v, None, None, False),
+            (q, k, v, bool_mask, 0.3, True),
+            (q, k, v, torch.randn(1, 1, lq, lk).to(dtype), None, False),
+        ]
+    if name == "flash_fwd":
+        return [(q, k, v, None, False, -1, -1), (q, k, v, 0.2, True, 8, -1), (q, k, v, None, False, 3, 5)]
+    if name == "block_sparse_fwd":
+        masks = (patterns.causal(lq, lk, block_size=64), patterns.causal(lq, lk, block_size=128))
+        return [(q, k, v, *_block_args(m), None) for m in masks]
+    if name == "gather_fwd":
+        idx = OPS.topk_select(q.detach(), k.detach(), 8, True)
+        return [(q, k, v, idx, None), (q, k, v, idx[:, :1].contiguous(), 0.5)]
+    if name == "topk_select":
+        return [(q, k, 8, False), (q, k, 8, True), (q, k, 1000, False)]
+    if name == "indexer_select":
+        iq, ik, iw = _indexer(lq, lk, dtype)
+        return [(iq, ik, iw, 8, False), (iq, ik, iw, 8, True)]
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_opcheck(name, dtype):
+    op = getattr(OPS, name).default
+    for args in _samples(name, dtype):
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("name", ATTENTION_OPS)
+def test_opcheck_with_grad_inputs(name):
+    # test_aot_dispatch_dynamic is left out here: with inputs that require grad it runs the
+    # registered backward, which raises NotImplementedError by design (test_opcheck covers it
+    # with plain inputs). The autograd registration itself is checked.
+    op = getattr(OPS, name).default
+    for args in _samples(name, requires_grad=True):
+        result = torch.library.opcheck(
+            op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor")
+        )
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_every_op_is_registered():
+    for name in OP_NAMES:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"sparse_attn::{name}", "CPU"), name
+    schema = str(OPS.flash_fwd.default._schema)
+    assert "float? scale=None" in schema and "int window_left=-1" in schema
+    assert str(OPS.topk_select.default._schema).endswith("-> Tensor")
+
+
+@pytest.mark.parametrize("name", ["topk_select", "indexer_select"])
+def test_fake_selection_clamps_k(name):
+    # The fake kernels give the real output shapes, k clamped to Lk.
+    args = _samples(name)[0]
+    args = (*args[:-2], 1000, args[-1])
+    real = getattr(OPS, name)(*args)
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = getattr(OPS, name)(*fake_args)
+    assert fake.shape == real.shape and fake.dtype == real.dtype == torch.int32
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+def _public_calls():
+    lq, lk = 40, 56
+    mask = patterns.causal(lq, lk, block_size=64)
+    blocks = torch.tensor([[True]])
+    iq, ik, iw = _indexer(lq, lk)
+    return {
+        "dense": lambda q, k, v: sparse_attn.dense_attention(
+            q,
+            k,
+            v,
+            attn_mask=torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq + 5),
+            causal=True,
+            return_lse=True,
+        ),
+        "flash": lambda q, k, v: sparse_attn.flash_attention(
+            q, k, v, causal=True, window=(8, None), return_lse=True
+        ),
+        "block_sparse": lambda q, k, v: (
+            sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True),
+            sparse_attn.block_sparse_attention(q, k, v, blocks, scale=0.1),
+        ),
+        "topk": lambda q, k, v: (
+            sparse_attn.topk_attention(q, k, v, 8, causal=True, return_indices=True, return_lse=True),
+            sparse_attn.topk_attention(
+                q, k, v, 8, index_query=iq, index_key=ik, index_weights=iw, return_indices=True
+            ),
+            sparse_attn.topk_attention(q, k, v, 1, block_size=64, return_indices=True),
+        ),
+    }
+
+
+def _flat(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in _flat(item)]
+
+
+class _GraphRecorder:
+    """A torch.compile backend that keeps each captured graph and runs it eagerly."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+
+@pytest.mark.parametrize("name", ["dense", "flash", "block_sparse", "topk"])
+def test_compile_fullgraph_matches_eager(name):
+    torch._dynamo.reset()
+    fn = _public_calls()[name]
+    q, k, v = _qkv()
+    eager = _flat(fn(q, k, v))
+    recorder = _GraphRecorder()
+    traced = _flat(torch.compile(fn, fullgraph=True, backend=recorder)(q, k, v))
+    assert len(recorder.graphs) == 1
+    targets = {str(n.target) for n in recorder.graphs[0].graph.nodes if n.op == "call_function"}
+    assert any(t.startswith("sparse_attn.") for t in targets), targets
+    compiled = _flat(torch.compile(fn, fullgraph=True)(q, k, v))
+    for a, b, c in zip(eager, traced, compiled, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_compile_topk_block_mode_causal():
+    torch._dynamo.reset()
+
+    def fn(q, k, v):
+        return sparse_attn.topk_attention(q, k, v, 1, block_size=64, causal=True, return_indices=True)
+
+    q, k, v = _qkv()
+    for a, b in zip(fn(q, k, v), torch.compile(fn, fullgraph=True)(q, k, v), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_compile_dynamic_shapes():
+    torch._dynamo.reset()
+
+    def fn(q, k, v):
+        out, lse = sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
+        top, idx = sparse_attn.topk_attention(q, k, v, 16, return_indices=True)
+        return out, lse, top, idx
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for lq, lk in ((40, 56), (33, 90), (8, 8)):
+        q, k, v = _qkv(lq=lq, lk=lk)
+        for a, b in zip(fn(q, k, v), compiled(q, k, v), strict=True):
+            assert a.shape == b.shape and torch.equal(a, b)
+
+
+class Attention(torch.nn.Module):
+    """A transformer attention layer: projections in (B, L, H * D), flash attention between."""
+
+    def __init__(self, dim=128, heads=4, kv_heads=2, head_dim=32):
+        super().__init__()
+        self.h, self.hkv, self.d = heads, kv_heads, head_dim
+        self.q = torch.nn.Linear(dim, heads * head_dim, bias=False)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * head_dim, bias=False)
+        self.o = torch.nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x):
+        b, l, _ = x.shape
+        q = self.q(x).view(b, l, self.h, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(b, l, 2, self.hkv, self.d).unbind(2)
+        out = sparse_attn.flash_attention(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, l, self.h * self.d))
+
+
+def test_compile_attention_module():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = Attention().eval()
+    x = torch.randn(2, 77, 128)
+    with torch.no_grad():
+        eager = layer(x)
+        recorder = _GraphRecorder()
+        traced = torch.compile(layer, fullgraph=True, backend=recorder)(x)
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    assert len(recorder.graphs) == 1
+    assert torch.equal(traced, eager)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    # The reference layer: the same projections around SDPA.
+    q = layer.q(x).view(2, 77, 4, 32).transpose(1, 2)
+    k, v = layer.kv(x).view(2, 77, 2, 2, 32).unbind(2)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    )
+    torch.testing.assert_close(eager, layer.o(ref.transpose(1, 2).reshape(2, 77, 128)), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+@pytest.mark.parametrize("name", ["dense", "flash", "block_sparse", "topk"])
+def test_backward_raises_not_implemented(name):
+    q, k, v = _qkv(requires_grad=True)
+    out = _flat(_public_calls()[name](q, k, v))[0]
+    assert out.requires_grad
+    with pytest.raises(NotImplementedError, match=NO_BACKWARD):
+        out.sum().backward()
+    # Under no_grad the same call is an ordinary forward.
+    with torch.no_grad():
+        assert not _flat(_public_calls()[name](q, k, v))[0].requires_grad
+
+
+@pytest.mark.parametrize("name", ATTENTION_OPS)
+def test_backward_raises_for_each_op(name):
+    args = _samples(name, requires_grad=True)[0]
+    out, lse = getattr(OPS, name)(*args)
+    with pytest.raises(NotImplementedError, match=NO_BACKWARD):
+        torch.autograd.grad(out.sum(), [args[0]])
+    with pytest.raises(NotImplementedError, match=r"forward-only"):
+        torch.autograd.grad(lse.sum(), [args[0]])

@@ -1,0 +1,447 @@
+"""topk_attention (DESIGN.md section 5): exact selection on integer-valued inputs (ties go to the lower
+index), the top-k property on float inputs, attention given the indices, the lightning indexer,
+block mode, and argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from utils import check_attention, check_close, make_qkv
+
+import sparse_attn
+from sparse_attn import BlockSparseMask, patterns, reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# (B, H, Hkv, Lq, Lk, D)
+SHAPES = {
+    "tiny": (1, 1, 1, 5, 7, 64),
+    "gqa_ragged": (2, 4, 2, 33, 70, 64),
+    "mqa_lq_gt_lk": (1, 3, 1, 100, 37, 128),
+    "decode": (2, 2, 2, 1, 300, 64),
+    "square_257": (1, 2, 1, 257, 257, 64),
+}
+
+
+def small_ints(shape, seed, dtype, device="cpu", lo=-3, hi=4):
+    """Integers in [lo, hi): exact in every dtype, and their dot products are exact in fp32."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, shape, generator=g).to(dtype).to(device)
+
+
+def head_scores(q, k):
+    """(B, H, Lq, Lk) fp64 q . k with GQA (query head h reads kv head h // (H // Hkv))."""
+    k = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return q.double() @ k.transpose(-1, -2)
+
+
+def indices_mask(indices, lk, heads):
+    """(B, H, Lq, Lk) bool of the selected keys (-1 = none), repeated over heads when shared."""
+    b, hi, lq, _ = indices.shape
+    m = torch.zeros(b, hi, lq, lk + 1, dtype=torch.bool, device=indices.device)
+    m.scatter_(-1, torch.where(indices >= 0, indices, lk).long(), True)
+    return m[..., :lk].repeat_interleave(heads // hi, dim=1)
+
+
+def check_selection_layout(idx, scores, k, causal):
+    """Ascending, visible, -1 padding exactly where fewer than k keys are visible."""
+    lq, lk = scores.shape[-2:]
+    kk = min(k, lk)
+    assert idx.dtype == torch.int32 and idx.shape == (*scores.shape[:-1], kk)
+    visible = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        visible = reference.causal_mask(lq, lk)
+    n_visible = visible.sum(-1).clamp(max=kk)  # (Lq,)
+    pos = torch.arange(kk)
+    want_valid = (pos < n_visible[:, None]).expand_as(idx)
+    assert torch.equal(idx >= 0, want_valid), "counts: min(k, visible keys) indices, then -1 padding"
+    assert bool((idx[~want_valid] == -1).all())
+    live = idx.long().clamp(min=0)
+    assert bool((live < lk).all())
+    assert bool(visible.expand(*idx.shape[:-1], lk).gather(-1, live)[want_valid].all()), (
+        "selected a hidden key"
+    )
+    if kk > 1:
+        inc = idx[..., 1:] > idx[..., :-1]
+        assert bool(inc[want_valid[..., 1:]].all()), "indices must be strictly ascending"
+    return want_valid
+
+
+def check_topk_property(idx, scores, k, causal, tol):
+    """Every selected score >= every unselected visible score - tol."""
+    want_valid = check_selection_layout(idx, scores, k, causal)
+    lq, lk = scores.shape[-2:]
+    visible = reference.causal_mask(lq, lk) if causal else torch.ones(lq, lk, dtype=torch.bool)
+    chosen = indices_mask(idx, lk, idx.shape[1])
+    inf = torch.tensor(float("inf"), dtype=scores.dtype)
+    min_chosen = torch.where(chosen, scores, inf).amin(-1)
+    max_rest = torch.where(visible & ~chosen, scores, -inf).amax(-1)
+    bad = min_chosen < max_rest - tol
+    assert not bool(bad.any()), (
+        f"{int(bad.sum())} rows select a key scoring below an unselected visible one, "
+        f"worst gap {(max_rest - min_chosen)[bad].max().item():.3e} > tol {tol:.1e}"
+    )
+    return want_valid
+
+
+def check_gather(out, lse, q, k, v, idx, name):
+    """Attention over the selected keys against reference.gather_attention: fp64 gold, the same
+    math in the input dtype as the peer; LSE -inf exactly on the rows with no selected key."""
+    gold, gold_lse = reference.gather_attention(q, k, v, idx)
+    lp, _ = reference.gather_attention(q, k, v, idx, dtype=q.dtype)
+    defined = torch.isfinite(gold_lse)
+    check_close(name, out, gold, lp, dtype=q.dtype, defined=defined.unsqueeze(-1).expand_as(gold))
+    if lse is not None:
+        assert lse.dtype == torch.float32
+        assert torch.equal(torch.isneginf(lse), ~defined), f"{name}: LSE must be -inf exactly on empty rows"
+        tol = 1e-4 if q.dtype == torch.float32 else 2e-3
+        assert torch.allclose(lse[defined].double(), gold_lse[defined], rtol=tol, atol=tol), f"{name}: LSE"
+
+
+# ------------------------------------------------------------------------------------ token mode
+@pytest.mark.parametrize("k_sel", [1, 3, 64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_token_selection_exact_on_integer_inputs(dtype, shape, causal, k_sel, device):
+    b, h, hkv, lq, lk, d = SHAPES[shape]
+    seed = sum(map(ord, shape)) + 7 * k_sel + causal
+    q = small_ints((b, h, lq, d), seed, dtype, device)
+    k = small_ints((b, hkv, lk, d), seed + 1, dtype, device)
+    _, v, _ = make_qkv(b, hkv, hkv, lk, lk, d, dtype=dtype, device=device, seed=seed)
+    out, lse, idx = sparse_attn.topk_attention(
+        q, k, v, k_sel, causal=causal, return_indices=True, return_lse=True
+    )
+    scores = head_scores(q, k).cpu()
+    want = reference.topk_indices(scores, k_sel, causal=causal)
+    assert torch.equal(idx.cpu(), want), f"selection differs at {(idx.cpu() != want).nonzero()[:4].tolist()}"
+    check_selection_layout(idx.cpu(), scores, k_sel, causal)
+    check_gather(out, lse, q, k, v, idx, name=f"gather {shape} {dtype} causal={causal} k={k_sel}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_token_selection_exact_ties_lower_index_wins(causal, device):
+    b, h, lq, lk, d = 1, 2, 40, 100, 64
+    q = small_ints((b, h, lq, d), 1, torch.bfloat16, device)
+    base = small_ints((b, 1, 5, d), 2, torch.bfloat16, device)
+    # Keys repeat in groups of 5 distinct rows: every score is tied with 19 others.
+    k = base.repeat(1, 1, lk // 5, 1)
+    v = make_qkv(b, 1, 1, lk, lk, d, dtype=torch.bfloat16, device=device, seed=3)[2]
+    out, idx = sparse_attn.topk_attention(q, k, v, 7, causal=causal, return_indices=True)
+    scores = head_scores(q, k).cpu()
+    assert torch.equal(idx.cpu(), reference.topk_indices(scores, 7, causal=causal))
+    # All keys equal: the k lowest visible positions win.
+    same = k[:, :, :1].expand(b, 1, lk, d).contiguous()
+    _, idx = sparse_attn.topk_attention(q, same, v, 7, causal=causal, return_indices=True)
+    # (Under causal every row sees at least Lk - Lq + 1 = 61 keys.)
+    assert torch.equal(idx.cpu(), torch.arange(7, dtype=torch.int32).expand(b, h, lq, 7))
+
+
+@pytest.mark.parametrize("k_sel", [1, 50])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", ["gqa_ragged", "mqa_lq_gt_lk", "square_257"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_token_selection_property_on_random_inputs(dtype, shape, causal, k_sel, device):
+    b, h, hkv, lq, lk, d = SHAPES[shape]
+    q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=dtype, device=device, seed=k_sel + 100 * causal)
+    out, lse, idx = sparse_attn.topk_attention(
+        q, k, v, k_sel, causal=causal, return_indices=True, return_lse=True
+    )
+    scores = head_scores(q, k).cpu()
+    # Scores are fp32 sums of d products of the inputs: allow their rounding, nothing more.
+    tol = 1e-6 * d * float(scores.abs().max())
+    check_topk_property(idx.cpu(), scores, k_sel, causal, tol)
+    check_gather(out, lse, q, k, v, idx, name=f"gather {shape} {dtype} causal={causal} k={k_sel}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", ["tiny", "gqa_ragged", "mqa_lq_gt_lk", "decode"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_k_at_least_lk_equals_dense(dtype, shape, causal, device):
+    b, h, hkv, lq, lk, d = SHAPES[shape]
+    q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=dtype, device=device, seed=21)
+    for k_sel in (lk, lk + 3, 1 << 20):
+        out, lse, idx = sparse_attn.topk_attention(
+            q, k, v, k_sel, causal=causal, return_indices=True, return_lse=True
+        )
+        assert idx.shape[-1] == lk
+        check_attention(out, lse, q, k, v, causal=causal, name=f"k={k_sel} vs dense")
+        gold, _ = reference.attention(q, k, v, causal=causal)
+        dense = sparse_attn.dense_attention(q, k, v, causal=causal)
+        check_close(f"k={k_sel} vs dense_attention", out, gold, dense, dtype=dtype)
+
+
+@pytest.mark.parametrize("indexer", [False, True])
+def test_rows_with_no_visible_key(indexer, device):
+    b, h, lq, lk, d = 2, 2, 50, 20, 64  # causal, Lq > Lk: the first 30 rows see nothing
+    q, k, v = make_qkv(b, h, h, lq, lk, d, dtype=torch.bfloat16, device=device, seed=22)
+    extra = {}
+    if indexer:
+        extra = {
+            "index_query": small_ints((b, lq, 2, 32), 1, torch.bfloat16, device),
+            "index_key": small_ints((b, lk, 32), 2, torch.bfloat16, device),
+            "index_weights": small_ints((b, lq, 2), 3, torch.bfloat16, device),
+        }
+    out, lse, idx = sparse_attn.topk_attention(
+        q, k, v, 4, causal=True, return_indices=True, return_lse=True, **extra
+    )
+    empty = slice(0, lq - lk)
+    assert bool((idx[:, :, empty] == -1).all())
+    assert bool((out[:, :, empty] == 0).all()), "a row with no visible key is exactly 0"
+    assert bool(torch.isneginf(lse[:, :, empty]).all())
+    assert not bool(torch.isneginf(lse[:, :, lq - lk :]).any())
+    assert not torch.isnan(out).any()
+    check_gather(out, lse, q, k, v, idx, name="partly empty")
+
+
+def test_gqa_heads_of_one_group_select_independently(device):
+    b, h, hkv, lq, lk, d = 1, 4, 1, 64, 128, 64
+    q = small_ints((b, h, lq, d), 31, torch.float16, device)
+    k = small_ints((b, hkv, lk, d), 32, torch.float16, device)
+    v = make_qkv(b, 1, 1, lk, lk, d, dtype=torch.float16, device=device, seed=33)[2]
+    out, lse, idx = sparse_attn.topk_attention(q, k, v, 8, return_indices=True, return_lse=True)
+    assert idx.shape == (b, h, lq, 8)
+    assert not torch.equal(idx[:, 0], idx[:, 1]), "each query head selects its own keys"
+    assert torch.equal(idx.cpu(), reference.topk_indices(head_scores(q, k).cpu(), 8))
+    check_gather(out, lse, q, k, v, idx, name="gqa")
+
+
+def test_strided_inputs_select_and_attend_like_contiguous(device):
+    q, k, v = make_qkv(2, 4, 2, 100, 130, 64, dtype=torch.bfloat16, device=device, seed=34, layout="blhd")
+    assert not q.is_contiguous()
+    out, idx = sparse_attn.topk_attention(q, k, v, 9, causal=True, return_indices=True)
+    out_c, idx_c = sparse_attn.topk_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), 9, causal=True, return_indices=True
+    )
+    assert torch.equal(idx, idx_c)
+    check_gather(out, None, q, k, v, idx, name="strided")
+    check_close(
+        "strided vs contiguous", out, reference.gather_attention(q, k, v, idx)[0], out_c, dtype=q.dtype
+    )
+
+
+# ------------------------------------------------------------------------------------ lightning indexer
+@pytest.mark.parametrize("k_sel", [1, 4, 32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "dims",
+    [(1, 2, 1, 20, 20, 1, 16), (2, 4, 2, 33, 70, 4, 32), (1, 2, 2, 100, 37, 2, 64), (2, 3, 1, 1, 257, 3, 32)],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_indexer_selection_exact_on_integer_inputs(dtype, dims, causal, k_sel, device):
+    b, h, hkv, lq, lk, hi, di = dims
+    seed = lq + lk + hi + k_sel
+    q, k, v = make_qkv(b, h, hkv, lq, lk, 64, dtype=dtype, device=device, seed=seed)
+    iq = small_ints((b, lq, hi, di), seed + 1, dtype, device)
+    ik = small_ints((b, lk, di), seed + 2, dtype, device)
+    iw = small_ints((b, lq, hi), seed + 3, dtype, device)
+    out, lse, idx = sparse_attn.topk_attention(
+        q,
+        k,
+        v,
+        k_sel,
+        causal=causal,
+        index_query=iq,
+        index_key=ik,
+        index_weights=iw,
+        return_indices=True,
+        return_lse=True,
+    )
+    assert idx.shape == (b, 1, lq, min(k_sel, lk)), "one index set per token, shared by all heads"
+    scores = reference.indexer_scores(iq, ik, iw).unsqueeze(1).cpu()
+    want = reference.topk_indices(scores, k_sel, causal=causal)
+    assert torch.equal(idx.cpu(), want), f"selection differs at {(idx.cpu() != want).nonzero()[:4].tolist()}"
+    check_selection_layout(idx.cpu(), scores, k_sel, causal)
+    check_gather(out, lse, q, k, v, idx, name=f"indexer {dims} {dtype} causal={causal} k={k_sel}")
+
+
+def test_indexer_scores_reference_is_the_formula():
+    g = torch.Generator().manual_seed(0)
+    iq, ik, iw = (
+        torch.randn(2, 5, 3, 8, generator=g),
+        torch.randn(2, 7, 8, generator=g),
+        torch.randn(2, 5, 3, generator=g),
+    )
+    got = reference.indexer_scores(iq, ik, iw)
+    want = torch.zeros(2, 5, 7, dtype=torch.float64)
+    for b in range(2):
+        for t in range(5):
+            for s in range(7):
+                want[b, t, s] = sum(
+                    iw[b, t, j].double() * torch.relu(iq[b, t, j].double() @ ik[b, s].double())
+                    for j in range(3)
+                )
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_indexer_selection_property_on_random_inputs(causal, device):
+    b, h, lq, lk, hi, di = 2, 2, 80, 150, 4, 32
+    q, k, v = make_qkv(b, h, h, lq, lk, 64, dtype=torch.bfloat16, device=device, seed=41)
+    g = torch.Generator().manual_seed(41)
+    iq = torch.randn(b, lq, hi, di, generator=g).to(torch.bfloat16).to(device)
+    ik = torch.randn(b, lk, di, generator=g).to(torch.bfloat16).to(device)
+    iw = torch.rand(b, lq, hi, generator=g).to(torch.bfloat16).to(device)
+    out, idx = sparse_attn.topk_attention(
+        q, k, v, 12, causal=causal, index_query=iq, index_key=ik, index_weights=iw, return_indices=True
+    )
+    scores = reference.indexer_scores(iq, ik, iw).unsqueeze(1).cpu()
+    check_topk_property(idx.cpu(), scores, 12, causal, tol=1e-4 * float(scores.abs().max()) + 1e-6)
+    check_gather(out, None, q, k, v, idx, name="indexer random")
+
+
+def test_indexer_rejects_partial_arguments():
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 64, dtype=torch.bfloat16, seed=42)
+    iq, ik = small_ints((1, 16, 2, 16), 1, torch.bfloat16), small_ints((1, 16, 16), 2, torch.bfloat16)
+    iw = small_ints((1, 16, 2), 3, torch.bfloat16)
+    with pytest.raises(ValueError, match="index_query, index_key and index_weights"):
+        sparse_attn.topk_attention(q, k, v, 4, index_query=iq, index_key=ik)
+    with pytest.raises(ValueError, match="block_size"):
+        sparse_attn.topk_attention(q, k, v, 1, block_size=64, index_query=iq, index_key=ik, index_weights=iw)
+    with pytest.raises(ValueError, match="index_query"):
+        sparse_attn.topk_attention(q, k, v, 4, index_query=iq[:, :8], index_key=ik, index_weights=iw[:, :8])
+    with pytest.raises(ValueError, match="index_key"):
+        sparse_attn.topk_attention(q, k, v, 4, index_query=iq, index_key=ik[:, :8], index_weights=iw)
+    out = sparse_attn.topk_attention(q, k, v, 4, index_query=iq, index_key=ik, index_weights=iw)
+    assert out.shape == q.shape
+
+
+# ------------------------------------------------------------------------------------ block mode
+def block_indices_mask(idx, lq, lk, block_size, causal):
+    """The mask block mode attends through: the returned key blocks, intersected with causal."""
+    nk = math.ceil(lk / block_size)
+    blocks = torch.zeros(*idx.shape[:-1], nk + 1, dtype=torch.bool)
+    blocks.scatter_(-1, torch.where(idx < 0, nk, idx).long().cpu(), True)
+    mask = BlockSparseMask.from_block_matrix(blocks[..., :nk], seq_lengths=(lq, lk), block_size=block_size)
+    return mask & patterns.causal(lq, lk, block_size=block_size) if causal else mask
+
+
+@pytest.mark.parametrize("k_sel", [1, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 2, 2, 256, 256, 64), (2, 4, 2, 257, 300, 64), (1, 2, 1, 300, 130, 128), (2, 2, 2, 1, 300, 64)],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_mode_equals_block_sparse_reference(dtype, shape, block_size, causal, k_sel, device):
+    b, h, hkv, lq, lk, d = shape
+    q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=dtype, device=device, seed=lq + k_sel)
+    out, lse, idx = sparse_attn.topk_attention(
+        q, k, v, k_sel, block_size=block_size, causal=causal, return_indices=True, return_lse=True
+    )
+    nq, nk = math.ceil(lq / block_size), math.ceil(lk / block_size)
+    # Under causal every block holding a row's diagonal key is kept: two when Lk - Lq is not a
+    # multiple of the block size, so the width can be k + 1.
+    n_diag = 2 if causal and (lk - lq) % block_size else 1
+    kk = min(max(k_sel, n_diag), nk)
+    assert idx.dtype == torch.int32 and idx.shape == (b, h, nq, kk)
+    idx_c = idx.cpu()
+    live = idx_c >= 0
+    assert bool((idx_c[live] < nk).all()) and bool((idx_c[~live] == -1).all())
+    # Ascending, -1 padding at the end only.
+    assert bool((live[..., 1:] <= live[..., :-1]).all())
+    assert bool((idx_c[..., 1:] > idx_c[..., :-1])[live[..., 1:]].all())
+    if not causal:
+        assert bool(live.all()), "with no causal mask every query block gets min(k, nKb) key blocks"
+    mask = block_indices_mask(idx_c, lq, lk, block_size, causal)
+    check_attention(out, lse, q, k, v, mask=mask.to_dense().to(device), name=f"block mode k={k_sel}")
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("length", [1, 200, 256, 257, 640])
+def test_block_mode_causal_keeps_the_diagonal_block(length, block_size, device):
+    q, k, v = make_qkv(1, 3, 3, length, length, 64, dtype=torch.bfloat16, device=device, seed=length)
+    for k_sel in (1, 2):
+        out, lse, idx = sparse_attn.topk_attention(
+            q, k, v, k_sel, block_size=block_size, causal=True, return_indices=True, return_lse=True
+        )
+        nq = math.ceil(length / block_size)
+        diag = torch.arange(nq, dtype=torch.int32)[None, None, :, None]
+        assert bool((idx.cpu() == diag).any(-1).all()), "the diagonal block is always kept under causal"
+        assert not bool(torch.isneginf(lse).any()), "every query sees at least itself"
+
+
+@pytest.mark.parametrize("lengths", [(257, 300), (300, 130)])
+def test_block_mode_causal_every_row_sees_its_diagonal_key(lengths):
+    lq, lk = lengths
+    q, k, v = make_qkv(1, 2, 2, lq, lk, 64, dtype=torch.float32, seed=51)
+    out, lse, idx = sparse_attn.topk_attention(
+        q, k, v, 1, block_size=64, causal=True, return_indices=True, return_lse=True
+    )
+    rows = torch.arange(lq)
+    diag_key = rows + (lk - lq)
+    has_keys = diag_key >= 0
+    assert not bool(torch.isneginf(lse[..., has_keys]).any()), "rows with visible keys returned as empty"
+    mask = block_indices_mask(idx, lq, lk, 64, causal=True).to_dense()
+    assert bool(mask[..., rows[has_keys], diag_key[has_keys]].all())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("lengths", [(256, 256), (200, 300), (300, 200)])
+def test_block_mode_k_at_least_nkb_equals_dense(lengths, block_size, causal, device):
+    lq, lk = lengths
+    q, k, v = make_qkv(2, 4, 2, lq, lk, 64, dtype=torch.bfloat16, device=device, seed=61)
+    nk = math.ceil(lk / block_size)
+    for k_sel in (nk, nk + 1, 1000):
+        out, lse = sparse_attn.topk_attention(
+            q, k, v, k_sel, block_size=block_size, causal=causal, return_lse=True
+        )
+        check_attention(out, lse, q, k, v, causal=causal, name=f"block mode k={k_sel} >= nKb={nk}")
+
+
+def test_block_mode_selects_the_dominant_block(device):
+    # Every query points along u; key block 2 points along u strongly, the rest is noise:
+    # block 2 is the top-scoring block of every query block, however the blocks are pooled.
+    b, h, lq, lk, d, bs = 1, 2, 256, 512, 64, 64
+    g = torch.Generator().manual_seed(71)
+    u = torch.randn(d, generator=g)
+    q = (u + 0.1 * torch.randn(b, h, lq, d, generator=g)).to(torch.bfloat16).to(device)
+    k = 0.1 * torch.randn(b, h, lk, d, generator=g)
+    k[:, :, 2 * bs : 3 * bs] += 3 * u
+    k = k.to(torch.bfloat16).to(device)
+    v = torch.randn(b, h, lk, d, generator=g).to(torch.bfloat16).to(device)
+    out, idx = sparse_attn.topk_attention(q, k, v, 1, block_size=bs, return_indices=True)
+    assert bool((idx == 2).all())
+    mask = block_indices_mask(idx.cpu(), lq, lk, bs, causal=False)
+    check_attention(out, None, q, k, v, mask=mask.to_dense().to(device))
+
+
+# ------------------------------------------------------------------------------------ arguments
+def test_return_value_order(device):
+    q, k, v = make_qkv(1, 2, 2, 20, 30, 64, dtype=torch.bfloat16, device=device, seed=81)
+    out = sparse_attn.topk_attention(q, k, v, 4)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    out2, idx = sparse_attn.topk_attention(q, k, v, 4, return_indices=True)
+    assert idx.dtype == torch.int32 and torch.equal(out, out2)
+    out3, lse = sparse_attn.topk_attention(q, k, v, 4, return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 20) and torch.equal(out, out3)
+    out4, lse4, idx4 = sparse_attn.topk_attention(q, k, v, 4, return_lse=True, return_indices=True)
+    assert torch.equal(out4, out) and torch.equal(lse4, lse) and torch.equal(idx4, idx)
+
+
+@pytest.mark.parametrize("mode", ["token", "block", "indexer"])
+@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_k_raises(bad, exc, mode):
+    q, k, v = make_qkv(1, 2, 2, 100, 100, 64, dtype=torch.bfloat16, seed=82)
+    extra = {}
+    if mode == "block":
+        extra = {"block_size": 64}
+    if mode == "indexer":
+        extra = {
+            "index_query": small_ints((1, 100, 2, 16), 1, torch.bfloat16),
+            "index_key": small_ints((1, 100, 16), 2, torch.bfloat16),
+            "index_weights": small_ints((1, 100, 2), 3, torch.bfloat16),
+        }
+    with pytest.raises(exc, match="k must be"):
+        sparse_attn.topk_attention(q, k, v, bad, **extra)
+    out, lse, idx = sparse_attn.topk_attention(q, k, v, 1, return_lse=True, return_indices=True, **extra)
+    assert idx.shape[-1] == 1 and bool((idx >= 0).all()) and not bool(torch.isneginf(lse).any())
+    if mode == "block":
+        mask = block_indices_mask(idx, 100, 100, 64, causal=False).to_dense()
+    else:
+        mask = indices_mask(idx, 100, 2)
+    check_attention(out, lse, q, k, v, mask=mask)
