@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: set up (see env.sh), then time every op against SDPA, FlexAttention and naive
+# PyTorch on this machine's device (CPU defaults take about a minute). Extra arguments go to
+# `python -m sparse_attn.bench` (try --help).
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+cd "$ROOT"
+exec "$PY" -m sparse_attn.bench "$@"

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Build sparse_attn in place on the lent GPU machine (torch 2.11 there): Hopper only, all cores.
+# Usage (from the repo root): source tools/device_build.sh  -> log in $OUT/build.log, PYTHONPATH set
+
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}" NVCC_THREADS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+start=$(date +%s)
+if ! python3 setup.py build_ext --inplace > "${OUT:-/tmp}/build.log" 2>&1; then tail -50 "${OUT:-/tmp}/build.log"; return 1 2>/dev/null || exit 1; fi
+echo "build: $(( $(date +%s) - start )) s"
+# ptxas resource lines of kernels that spill
+grep -E "^ *[0-9]+ bytes stack frame, [1-9]" "${OUT:-/tmp}/build.log" | sort | uniq -c || true
