@@ -45,6 +45,17 @@ def files() -> dict[str, str]:
             f"template cudaError_t sparse_attn::run_dense_fwd_<sparse_attn::ScalarKind::{dtype}>(\n"
             "    const sparse_attn::AttnFwdParams&, cublasHandle_t, cudaStream_t, cublasStatus_t*);\n"
         )
+    for dname, dtype in DENSE_DTYPES.items():
+        out[f"topk_select_{dname}.cu"] = (
+            HEADER + '#include "sparse_attn/cuda/topk.cuh"\n\n'
+            f"template cudaError_t sparse_attn::run_topk_select_<sparse_attn::ScalarKind::{dtype}>(\n"
+            "    const sparse_attn::TopkSelectParams&, int64_t, cudaStream_t);\n"
+        )
+        out[f"gather_fwd_{dname}.cu"] = (
+            HEADER + '#include "sparse_attn/cuda/topk.cuh"\n\n'
+            f"template cudaError_t sparse_attn::run_gather_fwd_<sparse_attn::ScalarKind::{dtype}>(\n"
+            "    const sparse_attn::AttnFwdParams&, cudaStream_t);\n"
+        )
     return out
 
 

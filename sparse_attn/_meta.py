@@ -28,7 +28,17 @@ def _flash_fwd(query, key, value, scale=None, causal=False, window_left=-1, wind
 
 @torch.library.register_fake("sparse_attn::block_sparse_fwd")
 def _block_sparse_fwd(
-    query, key, value, kv_num_blocks, kv_indices, kv_partial, partial_masks, q_block, kv_block, scale=None
+    query,
+    key,
+    value,
+    kv_num_blocks,
+    kv_indices,
+    kv_partial,
+    partial_masks,
+    q_block,
+    kv_block,
+    scale=None,
+    q_block_order=None,
 ):
     return _outputs(query, value)
 

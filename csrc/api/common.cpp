@@ -233,6 +233,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_block_spar
   return {cnt, idx, part, bits};
 }
 
+at::Tensor set_params_block_order(AttnFwdParams& params, const at::Tensor& query,
+                                  const c10::optional<at::Tensor>& q_block_order) {
+  params.q_block_order = nullptr;
+  if (!q_block_order.has_value() || !q_block_order->defined()) return at::Tensor();
+  const at::Tensor& order = *q_block_order;
+  check_int32(order, "q_block_order");
+  check_same_device(query, order, "q_block_order");
+  TORCH_CHECK(order.dim() == 1 && order.size(0) == params.num_q_blocks, "q_block_order must have shape (",
+              params.num_q_blocks, ",), got ", order.sizes());
+  // Its values index the mask; a bad permutation would only reorder or repeat work, and values
+  // out of range are clamped by construction in Python (argsort), so no device check is needed.
+  at::Tensor c = order.contiguous();
+  params.q_block_order = c.data_ptr<int32_t>();
+  return c;
+}
+
 void set_params_gather(AttnFwdParams& params, const at::Tensor& query, const QkvShape& s,
                        const at::Tensor& indices) {
   check_int32(indices, "indices");

@@ -56,6 +56,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_block_spar
     const at::Tensor& kv_indices, const at::Tensor& kv_partial, const at::Tensor& partial_masks,
     int64_t q_block, int64_t kv_block);
 
+// Optional heaviest-first schedule of the query blocks (a permutation of 0..nQb-1, int32).
+// Returns the contiguous tensor the params point into.
+at::Tensor set_params_block_order(AttnFwdParams& params, const at::Tensor& query,
+                                  const c10::optional<at::Tensor>& q_block_order);
+
 void set_params_gather(AttnFwdParams& params, const at::Tensor& query, const QkvShape& s,
                        const at::Tensor& indices);
 

@@ -44,13 +44,16 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cpu(const at::Tensor& query, const 
 std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_num_blocks,
     const at::Tensor& kv_indices, const at::Tensor& kv_partial, const at::Tensor& partial_masks,
-    int64_t q_block, int64_t kv_block, c10::optional<double> scale) {
+    int64_t q_block, int64_t kv_block, c10::optional<double> scale,
+    const c10::optional<at::Tensor>& q_block_order) {
   const QkvShape s = check_qkv(query, key, value);
   check_cpu(query);
   auto [out, lse] = alloc_outputs(query, s);
   AttnFwdParams params = set_params_fwd(query, key, value, out, lse, s, resolve_scale(scale, s.d));
   auto keep = set_params_block_sparse(params, query, s, kv_num_blocks, kv_indices, kv_partial, partial_masks,
                                       q_block, kv_block);
+  set_params_block_order(params, query, q_block_order);  // checked; OpenMP schedules dynamically
+  params.q_block_order = nullptr;
   if (fill_trivial_outputs(s, out, lse)) return {out, lse};
   cpu::block_sparse_fwd(params);
   return {out, lse};

@@ -8,6 +8,7 @@
 #include "common.h"
 #include "cuda_common.h"
 #include "sparse_attn/cuda/flash_fwd.h"
+#include "sparse_attn/cuda/topk.h"
 #include "sparse_attn/static_switch.h"
 
 namespace sparse_attn {
@@ -79,13 +80,16 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda(const at::Tensor& query, const
 std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_num_blocks,
     const at::Tensor& kv_indices, const at::Tensor& kv_partial, const at::Tensor& partial_masks,
-    int64_t q_block, int64_t kv_block, c10::optional<double> scale) {
+    int64_t q_block, int64_t kv_block, c10::optional<double> scale,
+    const c10::optional<at::Tensor>& q_block_order) {
+  check_same_device(query, kv_num_blocks, "kv_num_blocks");  // before the CUDA check blames query
   CudaInputs in = prepare(query, key, value);
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse] = alloc_outputs(query, in.s);
   AttnFwdParams params = set_params_fwd(in.q, in.k, in.v, out, lse, in.s, resolve_scale(scale, in.s.d));
   auto keep = set_params_block_sparse(params, query, in.s, kv_num_blocks, kv_indices, kv_partial, partial_masks,
                                       q_block, kv_block);
+  at::Tensor order = set_params_block_order(params, query, q_block_order);
   if (fill_trivial_outputs(in.s, out, lse)) return {out, lse};
   if (q_block == 128) {
     launch_flash<Variant::kBlockSparse>(params, in.s, "block_sparse_fwd");
@@ -95,9 +99,75 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda(
   return {out, lse};
 }
 
+template <typename F>
+cudaError_t dtype_dispatch(ScalarKind dtype, F&& f) {
+  switch (dtype) {
+    case ScalarKind::kFloat32: return f(std::integral_constant<ScalarKind, ScalarKind::kFloat32>{});
+    case ScalarKind::kBFloat16: return f(std::integral_constant<ScalarKind, ScalarKind::kBFloat16>{});
+    default: return f(std::integral_constant<ScalarKind, ScalarKind::kFloat16>{});
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> gather_fwd_cuda(const at::Tensor& query, const at::Tensor& key,
+                                                   const at::Tensor& value, const at::Tensor& indices,
+                                                   c10::optional<double> scale) {
+  const QkvShape s = check_qkv(query, key, value);
+  check_same_device(query, indices, "indices");
+  check_cuda(query);
+  const c10::cuda::CUDAGuard guard(query.device());
+  auto [out, lse] = alloc_outputs(query, s);
+  AttnFwdParams params = set_params_fwd(query, key, value, out, lse, s, resolve_scale(scale, s.d));
+  set_params_gather(params, query, s, indices);
+  if (fill_trivial_outputs(s, out, lse)) return {out, lse};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  check_launch(dtype_dispatch(params.dtype, [&](auto dt) { return run_gather_fwd_<dt.value>(params, stream); }),
+               "gather_fwd");
+  return {out, lse};
+}
+
+// Selection runs over bounded chunks of query rows, so its workspace is never B * H * Lq * Lk.
+at::Tensor run_select(TopkSelectParams& params, at::Tensor out, const at::Tensor& like) {
+  const int64_t rows = int64_t(params.b) * params.h_sel * params.lq;
+  if (out.numel() == 0 || rows == 0) return out;
+  const c10::cuda::CUDAGuard guard(like.device());
+  const int64_t chunk = std::min(rows, topk_select_rows_per_chunk(params.lk));
+  at::Tensor scores = at::empty({chunk, std::max<int64_t>(params.lk, 1)}, like.options().dtype(at::kFloat));
+  params.scores = scores.data_ptr<float>();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  for (int64_t begin = 0; begin < rows; begin += chunk) {
+    params.row_begin = begin;
+    const int64_t n = std::min(chunk, rows - begin);
+    check_launch(
+        dtype_dispatch(params.dtype, [&](auto dt) { return run_topk_select_<dt.value>(params, n, stream); }),
+        "topk_select");
+  }
+  return out;
+}
+
+at::Tensor topk_select_cuda(const at::Tensor& query, const at::Tensor& key, int64_t k, bool causal) {
+  TopkSelectParams params;
+  at::Tensor out = set_params_select(params, query, key, k, causal);
+  check_cuda(query);
+  return run_select(params, out, query);
+}
+
+at::Tensor indexer_select_cuda(const at::Tensor& index_query, const at::Tensor& index_key,
+                               const at::Tensor& index_weights, int64_t k, bool causal) {
+  TopkSelectParams params;
+  at::Tensor out = set_params_indexer(params, index_query, index_key, index_weights, k, causal);
+  check_cuda(index_query);
+  TORCH_CHECK(int64_t(params.hi) * (params.di + 1) * 4 <= 200 * 1024,
+              "index_query: HI * (DI + 1) * 4 bytes must fit in shared memory (200 KiB), got HI=", params.hi,
+              ", DI=", params.di);
+  return run_select(params, out, index_query);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
+  m.impl("gather_fwd", &gather_fwd_cuda);
+  m.impl("topk_select", &topk_select_cuda);
+  m.impl("indexer_select", &indexer_select_cuda);
   m.impl("flash_fwd", &flash_fwd_cuda);
   m.impl("block_sparse_fwd", &block_sparse_fwd_cuda);
 }

@@ -29,6 +29,7 @@ std::tuple<at::Tensor, at::Tensor> dense_fwd_cuda(const at::Tensor& query, const
                                                   const c10::optional<at::Tensor>& attn_mask,
                                                   c10::optional<double> scale, bool causal) {
   const QkvShape s = check_qkv(query, key, value);
+  if (attn_mask.has_value() && attn_mask->defined()) check_same_device(query, *attn_mask, "attn_mask");
   check_cuda(query);
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse] = alloc_outputs(query, s);

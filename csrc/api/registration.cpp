@@ -18,8 +18,8 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
   m.def(
       "block_sparse_fwd(Tensor query, Tensor key, Tensor value, Tensor kv_num_blocks, Tensor kv_indices, "
-      "Tensor kv_partial, Tensor partial_masks, int q_block, int kv_block, float? scale=None) "
-      "-> (Tensor out, Tensor lse)");
+      "Tensor kv_partial, Tensor partial_masks, int q_block, int kv_block, float? scale=None, "
+      "Tensor? q_block_order=None) -> (Tensor out, Tensor lse)");
   m.def(
       "gather_fwd(Tensor query, Tensor key, Tensor value, Tensor indices, float? scale=None) "
       "-> (Tensor out, Tensor lse)");

@@ -56,6 +56,9 @@ struct AttnFwdParams {
   int64_t bs_batch_stride, bs_head_stride;    // strides of kv_num_blocks over (Bm, Hm); indices use * max_kv_blocks
   int q_block, kv_block;
   int num_q_blocks, num_kv_blocks, max_kv_blocks, num_partial;
+  // Optional CTA schedule: query blocks in the order to run them (heaviest first), each over
+  // all (batch, head) pairs; nullptr = the default order.
+  const int32_t* __restrict__ q_block_order;  // (nQb,), int32
 
   // ---- gather (top-k) attention only ----
   const int32_t* __restrict__ indices;  // (B, Hi, Lq, topk), int32; -1 (or out of range) = no key
@@ -82,6 +85,8 @@ struct TopkSelectParams {
   int hi, di;
 
   int32_t* __restrict__ out;  // (B, Hs, Lq, topk), int32, contiguous; ascending, -1 padded
+  float* __restrict__ scores;  // (rows, Lk), fp32 workspace of the CUDA path: one chunk of rows
+  int64_t row_begin;           // first (b, hs, i) row of the chunk in flight (CUDA path)
   int b, h, h_kv, lq, lk, d, topk;
   int h_sel;     // heads with their own index set: H (exact) or 1 (indexer)
   int h_per_kv;  // H / Hkv

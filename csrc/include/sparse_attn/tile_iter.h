@@ -33,6 +33,43 @@ SA_HD uint64_t bit_range(int64_t lo, int64_t hi) {
   return (~uint64_t(0) >> (63 - hi)) & (~uint64_t(0) << lo);
 }
 
+// Which (batch * heads + head, query tile) a CTA runs. Default: query tiles of one (batch, head)
+// adjacent, the last first; causal (not block-sparse): the heaviest tile of every head first. With a block-sparse q_block_order: the listed
+// query blocks in that order, each over every (batch, head), split into q_block / kBlockM tiles;
+// returns false for a tile past the end of the queries (the grid is rounded up to whole blocks).
+template <int kBlockM>
+SA_HD bool tile_of_cta(const AttnFwdParams& p, int64_t cta, int& bh, int& m_block) {
+  const int num_m = (p.lq + kBlockM - 1) / kBlockM;
+  if (p.q_block_order == nullptr) {
+    if (p.window_left < 0 && p.window_right >= 0) {
+      // Causal: heaviest tiles of every (batch, head) first, so the last wave holds the
+      // lightest tiles; the K/V of all heads share L2 across the wave.
+      const int64_t bhs = int64_t(p.b) * p.h;
+      bh = int(cta % bhs);
+      m_block = num_m - 1 - int(cta / bhs);
+    } else {
+      bh = int(cta / num_m);
+      m_block = num_m - 1 - int(cta % num_m);
+    }
+    return true;
+  }
+  const int sub = p.q_block / kBlockM;
+  const int64_t per_block = int64_t(p.b) * p.h * sub;
+  const int qb = p.q_block_order[cta / per_block];
+  if (qb < 0 || qb >= p.num_q_blocks) return false;  // a malformed order never reads out of range
+  const int64_t r = cta % per_block;
+  bh = int(r / sub);
+  m_block = qb * sub + int(r % sub);
+  return m_block < num_m;
+}
+
+// Number of CTAs tile_of_cta expects.
+template <int kBlockM>
+SA_HD int64_t num_ctas(const AttnFwdParams& p) {
+  if (p.q_block_order == nullptr) return int64_t((p.lq + kBlockM - 1) / kBlockM) * p.b * p.h;
+  return int64_t(p.num_q_blocks) * (p.q_block / kBlockM) * p.b * p.h;
+}
+
 // The band predicate of the dense family: key j is visible from query i iff
 // i + off - left <= j <= i + off + right, a negative bound being unbounded.
 SA_HD bool window_visible(int64_t i, int64_t j, int off, int left, int right) {

@@ -115,10 +115,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // mma accumulator: rows g and g + 8, columns 2t, 2t + 1
-  const int num_m = (p.lq + kBlockM - 1) / kBlockM;
-  // Query tiles of one (batch, head) are adjacent, the last (heaviest under causal) first.
-  const int bh = int(blockIdx.x / num_m);
-  const int m_block = num_m - 1 - int(blockIdx.x % num_m);
+  int bh, m_block;
+  if (!tile_of_cta<kBlockM>(p, blockIdx.x, bh, m_block)) return;
   const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
   const int m0 = m_block * kBlockM;
   const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
@@ -366,8 +364,7 @@ namespace sparse_attn {
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_(const AttnFwdParams& params, cudaStream_t stream) {
   using Tr = cuda::FlashFwdTraits<kDtype, kHeadDim, kVariant>;
-  const int64_t num_m = (int64_t(params.lq) + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t grid = num_m * params.b * params.h;
+  const int64_t grid = num_ctas<Tr::kBlockM>(params);
   if (grid == 0) return cudaSuccess;
   if (grid > INT_MAX) return cudaErrorInvalidConfiguration;
   auto kernel = cuda::flash_fwd_kernel<Tr>;

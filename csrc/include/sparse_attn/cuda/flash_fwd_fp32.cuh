@@ -36,9 +36,8 @@ __global__ void __launch_bounds__(128) flash_fwd_fp32_kernel(__grid_constant__ c
   constexpr int kBlockM = kTile.block_m, kBlockN = kTile.block_n;
   static_assert(kBlockN == 32 && kBlockM == 4 * kFp32RowsPerWarp);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int num_m = (p.lq + kBlockM - 1) / kBlockM;
-  const int bh = int(blockIdx.x / num_m);
-  const int m_block = num_m - 1 - int(blockIdx.x % num_m);
+  int bh, m_block;
+  if (!tile_of_cta<kBlockM>(p, blockIdx.x, bh, m_block)) return;
   const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
   const int row0 = m_block * kBlockM + warp * kFp32RowsPerWarp;
   const float* k = static_cast<const float*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
@@ -133,7 +132,7 @@ cudaError_t run_flash_fwd_fp32_(const AttnFwdParams& params, cudaStream_t stream
   constexpr FlashTile kTile = flash_fwd_fp32_tile();
   using Tiles = std::conditional_t<kVariant == Variant::kWindow, WindowTiles<kTile.block_m, kTile.block_n>,
                                    BlockSparseTiles<kTile.block_m, kTile.block_n>>;
-  const int64_t grid = (int64_t(params.lq) + kTile.block_m - 1) / kTile.block_m * params.b * params.h;
+  const int64_t grid = num_ctas<kTile.block_m>(params);
   if (grid == 0) return cudaSuccess;
   if (grid > INT_MAX) return cudaErrorInvalidConfiguration;
   cuda::flash_fwd_fp32_kernel<Tiles><<<unsigned(grid), kTile.warps * 32, 0, stream>>>(params);

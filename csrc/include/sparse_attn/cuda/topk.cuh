@@ -1,0 +1,269 @@
+// Dynamic top-k on CUDA, the straightforward version: CUDA-core scoring, a per-row radix
+// select, and attention over the gathered keys. Correct for every shape; the tensor-core
+// scorer and the fused gather kernel are later work.
+//
+// Selection, one CTA per query row: the row's scores against its visible keys go to a global
+// workspace row (the workspace holds a bounded chunk of rows, never B * H * Lq * Lk); a 4-pass
+// 8-bit radix select finds the k-th largest key T; one ascending pass then writes every index
+// scoring above T and the lowest-indexed ties at T, so the output is ascending and ties go to the
+// lower index. NaN ranks above everything (it must propagate, not be dropped).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "sparse_attn/cuda/cuda_check.h"
+#include "sparse_attn/cuda/topk.h"
+
+namespace sparse_attn::cuda {
+
+template <ScalarKind kDtype> struct TopkElement { using type = float; };
+template <> struct TopkElement<ScalarKind::kBFloat16> { using type = __nv_bfloat16; };
+template <> struct TopkElement<ScalarKind::kFloat16> { using type = __half; };
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+constexpr int kSelectThreads = 256;
+constexpr int kSelectWarps = kSelectThreads / 32;
+
+// Order-preserving map of a float score to an unsigned key (larger score, larger key).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  if (isnan(f)) return 0xffffffffu;
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Exclusive prefix count of `flag` over the CTA in thread order, and the CTA total.
+__device__ __forceinline__ int cta_exclusive_count(bool flag, int* warp_counts, int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  __syncthreads();
+  int before = __popc(ballot & ((1u << lane) - 1u));
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kSelectWarps; ++w) {
+    before += w < warp ? warp_counts[w] : 0;
+    total += warp_counts[w];
+  }
+  __syncthreads();
+  return before;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_constant__ const TopkSelectParams p) {
+  extern __shared__ float query_smem[];  // exact: D floats; indexer: HI * DI + HI floats
+  __shared__ unsigned hist[256];
+  __shared__ int warp_counts[kSelectWarps];
+  __shared__ uint32_t sel_prefix;
+  __shared__ int sel_remaining;
+
+  const int64_t row = p.row_begin + blockIdx.x;  // over (B, Hs, Lq)
+  const int i = int(row % p.lq), hs = int((row / p.lq) % p.h_sel), b = int(row / (int64_t(p.lq) * p.h_sel));
+  float* s = p.scores + int64_t(blockIdx.x) * p.lk;
+  int32_t* out = p.out + row * p.topk;
+  int nv = p.lk;
+  if (p.causal) {
+    const int64_t last = int64_t(i) + p.kv_offset + 1;
+    nv = int(last < 0 ? 0 : (last > p.lk ? p.lk : last));
+  }
+  const int kk = p.topk < nv ? p.topk : nv;
+
+  // 1. Scores of the visible keys.
+  if (p.indexer) {
+    const T* iq = static_cast<const T*>(p.iq) + b * p.iq_batch_stride + int64_t(i) * p.iq_row_stride;
+    const T* iw = static_cast<const T*>(p.iw) + b * p.iw_batch_stride + int64_t(i) * p.iw_row_stride;
+    for (int x = threadIdx.x; x < p.hi * p.di; x += kSelectThreads)
+      query_smem[x] = to_f32(iq[(x / p.di) * p.iq_head_stride + x % p.di]);
+    for (int x = threadIdx.x; x < p.hi; x += kSelectThreads) query_smem[p.hi * p.di + x] = to_f32(iw[x]);
+    __syncthreads();
+    for (int j = threadIdx.x; j < nv; j += kSelectThreads) {
+      const T* kr = static_cast<const T*>(p.ik) + b * p.ik_batch_stride + int64_t(j) * p.ik_row_stride;
+      float acc = 0.f;
+      for (int hh = 0; hh < p.hi; ++hh) {
+        float dot = 0.f;
+        for (int d = 0; d < p.di; ++d) dot = fmaf(query_smem[hh * p.di + d], to_f32(kr[d]), dot);
+        acc = fmaf(query_smem[p.hi * p.di + hh], fmaxf(dot, 0.f), acc);
+      }
+      s[j] = acc;
+    }
+  } else {
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride + int64_t(i) * p.q_row_stride;
+    const int hk = hs / p.h_per_kv;
+    for (int d = threadIdx.x; d < p.d; d += kSelectThreads) query_smem[d] = to_f32(q[d]);
+    __syncthreads();
+    for (int j = threadIdx.x; j < nv; j += kSelectThreads) {
+      const T* kr = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + int64_t(j) * p.k_row_stride;
+      float dot = 0.f;
+      for (int d = 0; d < p.d; ++d) dot = fmaf(query_smem[d], to_f32(kr[d]), dot);
+      s[j] = dot;
+    }
+  }
+  __syncthreads();
+
+  // 2. Radix select: T = the kk-th largest key; `remaining` ties at T are taken.
+  if (threadIdx.x == 0) {
+    sel_prefix = 0;
+    sel_remaining = kk;
+  }
+  uint32_t mask = 0;
+  for (int shift = 24; shift >= 0 && kk > 0; shift -= 8) {
+    for (int x = threadIdx.x; x < 256; x += kSelectThreads) hist[x] = 0;
+    __syncthreads();
+    const uint32_t prefix = sel_prefix;
+    for (int j = threadIdx.x; j < nv; j += kSelectThreads) {
+      const uint32_t u = order_key(s[j]);
+      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int need = sel_remaining, digit = 255;
+      for (; digit > 0 && int(hist[digit]) < need; --digit) need -= int(hist[digit]);
+      sel_prefix = prefix | (uint32_t(digit) << shift);
+      sel_remaining = need;
+    }
+    mask |= 255u << shift;
+    __syncthreads();
+  }
+
+  // 3. Ascending pass: keys above T, then the lowest-indexed `remaining` ties.
+  const uint32_t threshold = sel_prefix;
+  const int ties = sel_remaining;
+  int written = 0, ties_seen = 0;
+  for (int base = 0; base < nv && kk > 0; base += kSelectThreads) {
+    const int j = base + threadIdx.x;
+    const uint32_t u = j < nv ? order_key(s[j]) : 0u;
+    const bool eq = j < nv && u == threshold;
+    int eq_total;
+    const int eq_rank = ties_seen + cta_exclusive_count(eq, warp_counts, eq_total);
+    const bool take = j < nv && (u > threshold || (eq && eq_rank < ties));
+    int take_total;
+    const int pos = written + cta_exclusive_count(take, warp_counts, take_total);
+    if (take) out[pos] = j;
+    written += take_total;
+    ties_seen += eq_total;
+  }
+  for (int x = kk + threadIdx.x; x < p.topk; x += kSelectThreads) out[x] = -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+constexpr int kGatherWarps = 4;
+constexpr int kGatherDimPerLane = 8;  // 256 / 32
+
+__device__ __forceinline__ float gather_warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float gather_warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// One warp per query row; lanes split the head dimension; keys are visited 32 at a time, lane u
+// holding the u-th key's score, with the online softmax of the flash kernels.
+template <typename T>
+__global__ void __launch_bounds__(kGatherWarps * 32) gather_fwd_kernel(__grid_constant__ const AttnFwdParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * kGatherWarps + warp;  // over (B, H, Lq)
+  if (row >= int64_t(p.b) * p.h * p.lq) return;
+  const int i = int(row % p.lq), h = int((row / p.lq) % p.h), b = int(row / (int64_t(p.lq) * p.h));
+  const int hk = h / p.h_per_kv;
+  const int32_t* idx =
+      p.indices + b * p.idx_batch_stride + (h / p.h_per_idx) * p.idx_head_stride + int64_t(i) * p.idx_row_stride;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + int64_t(i) * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+
+  float qv[kGatherDimPerLane], acc[kGatherDimPerLane];
+#pragma unroll
+  for (int x = 0; x < kGatherDimPerLane; ++x) {
+    const int d = lane + 32 * x;
+    qv[x] = d < p.d ? to_f32(q[d]) * p.scale_log2 : 0.f;
+    acc[x] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  for (int t0 = 0; t0 < p.topk; t0 += 32) {
+    const int jl = t0 + lane < p.topk ? idx[t0 + lane] : -1;
+    const bool valid = jl >= 0 && jl < p.lk;
+    float s = -INFINITY;
+    for (int u = 0; u < 32 && t0 + u < p.topk; ++u) {
+      const int j = __shfl_sync(0xffffffffu, jl, u);
+      if (j < 0 || j >= p.lk) continue;  // warp-uniform
+      const T* kr = k + int64_t(j) * p.k_row_stride;
+      float dot = 0.f;
+#pragma unroll
+      for (int x = 0; x < kGatherDimPerLane; ++x)
+        if (lane + 32 * x < p.d) dot = fmaf(qv[x], to_f32(kr[lane + 32 * x]), dot);
+      dot = gather_warp_sum(dot);
+      if (lane == u) s = dot;
+    }
+    if (!valid) s = -INFINITY;
+    const float m_new = fmaxf(m, gather_warp_max(s));  // NaN stays out of the max ...
+    const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = exp2f(m - m_ref);
+    const float pr = exp2f(s - m_ref);  // ... and reaches l and acc through exp2
+    l = l * alpha + gather_warp_sum(pr);
+    m = m_new;
+#pragma unroll
+    for (int x = 0; x < kGatherDimPerLane; ++x) acc[x] *= alpha;
+    for (int u = 0; u < 32 && t0 + u < p.topk; ++u) {
+      const int j = __shfl_sync(0xffffffffu, jl, u);
+      const float pu = __shfl_sync(0xffffffffu, pr, u);
+      if (j < 0 || j >= p.lk) continue;
+      const T* vr = v + int64_t(j) * p.v_row_stride;
+#pragma unroll
+      for (int x = 0; x < kGatherDimPerLane; ++x)
+        if (lane + 32 * x < p.dv) acc[x] = fmaf(pu, to_f32(vr[lane + 32 * x]), acc[x]);
+    }
+  }
+  const float inv = l == 0.f ? 0.f : 1.f / l;
+  T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + int64_t(i) * p.o_row_stride;
+#pragma unroll
+  for (int x = 0; x < kGatherDimPerLane; ++x) {
+    const float val = acc[x] * inv;
+    if (lane + 32 * x < p.dv) {
+      if constexpr (std::is_same_v<T, float>) o[lane + 32 * x] = val;
+      else if constexpr (std::is_same_v<T, __nv_bfloat16>) o[lane + 32 * x] = __float2bfloat16(val);
+      else o[lane + 32 * x] = __float2half(val);
+    }
+  }
+  if (lane == 0)
+    p.lse[(int64_t(b) * p.h + h) * p.lq + i] = l == 0.f ? -INFINITY : (m + log2f(l)) * 0.69314718055994530942f;
+}
+
+}  // namespace sparse_attn::cuda
+
+namespace sparse_attn {
+
+template <ScalarKind kDtype>
+cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaStream_t stream) {
+  using T = typename cuda::TopkElement<kDtype>::type;
+  if (rows <= 0) return cudaSuccess;
+  if (rows > INT_MAX) return cudaErrorInvalidConfiguration;
+  const size_t smem = sizeof(float) * (params.indexer ? size_t(params.hi) * params.di + params.hi : params.d);
+  auto kernel = cuda::topk_select_kernel<T>;
+  if (smem > 48 * 1024) SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  kernel<<<unsigned(rows), cuda::kSelectThreads, smem, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <ScalarKind kDtype>
+cudaError_t run_gather_fwd_(const AttnFwdParams& params, cudaStream_t stream) {
+  using T = typename cuda::TopkElement<kDtype>::type;
+  const int64_t rows = int64_t(params.b) * params.h * params.lq;
+  const int64_t blocks = (rows + cuda::kGatherWarps - 1) / cuda::kGatherWarps;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  cuda::gather_fwd_kernel<T><<<unsigned(blocks), cuda::kGatherWarps * 32, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace sparse_attn
