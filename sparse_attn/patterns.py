@@ -144,37 +144,58 @@ def causal(
     if bq != bk:
         return _band((lq, lk), (bq, bk), device, lo=-(lk - lq), hi=_BIG)
     _check_block_size((bq, bk))
-    return _causal_square(lq, lk, bq, torch.device(device) if device is not None else torch.device("cpu"), compact)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return _band_square(lq, lk, bq, -(lk - lq), None, dev, compact)
 
 
-def _causal_square(lq: int, lk: int, bs: int, dev: torch.device, compact: bool) -> BlockSparseMask:
-    """Causal mask with bs x bs blocks. Block (qb, kb) allows (r, c) iff c - r <= t with
-    t = (qb - kb) * bs + Lk - Lq, inside its rq x ck in-range region. It is full iff ck - 1 <= t,
-    empty iff 1 - rq > t, else partial; a partial block's bits depend only on (t, rq, ck), and t
-    takes at most two values there (off mod bs and that minus bs), rq and ck two each (a whole
-    block or the ragged tail): 8 candidate bit patterns, enumerated up front."""
+def _band_square(lq: int, lk: int, bs: int, lo: int, hi: int | None, dev: torch.device, compact: bool):
+    """Band mask lo <= i - j <= hi (hi None: unbounded) with bs x bs blocks, built arithmetically.
+
+    Block (qb, kb) holds d = i - j = t + r - c with t = (qb - kb) * bs, inside its rq x ck in-range
+    region (rq, ck < bs only for the ragged last block row / column). It is full iff
+    lo <= t - (ck - 1) and t + rq - 1 <= hi, empty iff t + rq - 1 < lo or t - (ck - 1) > hi, else
+    partial; a partial block's bits depend only on (t, rq, ck), and t (a multiple of bs) must lie
+    within bs - 1 of a boundary: at most 4 values, so at most 16 candidate bit patterns, enumerated
+    up front. No device synchronisation and no data-dependent shapes (when compact=False)."""
     nq, nk = math.ceil(lq / bs), math.ceil(lk / bs)
-    off = lk - lq
-    t1 = off % bs
-    t_vals = (t1, t1 - bs)
+    bounds = [lo] + ([hi] if hi is not None else [])
+    t_vals = sorted(
+        {
+            m * bs
+            for b in bounds
+            for m in range(math.floor((b - bs + 1) / bs), math.ceil((b + bs - 1) / bs) + 1)
+            if abs(m * bs - b) <= bs - 1
+        }
+    )
     rq_vals = (bs, lq - (nq - 1) * bs if nq else bs)
     ck_vals = (bs, lk - (nk - 1) * bs if nk else bs)
+    hi_ = hi if hi is not None else _BIG
     r = torch.arange(bs, device=dev)[:, None]
     c = torch.arange(bs, device=dev)[None, :]
-    cands = torch.stack([(c - r <= t) & (r < rq) & (c < ck) for t in t_vals for rq in rq_vals for ck in ck_vals])
+    cands = [
+        (t + r - c >= lo) & (t + r - c <= hi_) & (r < rq) & (c < ck) for t in t_vals for rq in rq_vals for ck in ck_vals
+    ]
+    cands = torch.stack(cands) if cands else torch.zeros(0, bs, bs, dtype=torch.bool, device=dev)
     qb = torch.arange(nq, device=dev)[:, None]
     kb = torch.arange(nk, device=dev)[None, :]
-    t = (qb - kb) * bs + off
+    t = (qb - kb) * bs
     rq = (lq - qb * bs).clamp(max=bs)
     ck = (lk - kb * bs).clamp(max=bs)
-    full = ck - 1 <= t
-    empty = 1 - rq > t
-    cand_id = (t != t_vals[0]).int() * 4 + (rq != bs).int() * 2 + (ck != bs).int()
+    full = (t - (ck - 1) >= lo) & (t + rq - 1 <= hi_)
+    empty = (t + rq - 1 < lo) | (t - (ck - 1) > hi_)
+    t_idx = torch.zeros_like(t)
+    for n, tv in enumerate(t_vals):
+        t_idx = torch.where(t == tv, n, t_idx)
+    cand_id = t_idx * 4 + (rq != bs).long() * 2 + (ck != bs).long()
     table = torch.where(full, _FULL, torch.where(empty, _NONE, cand_id)).to(torch.int32)[None, None]
-    # Widest row: counts grow with qb except possibly at the ragged last query block.
-    width = max(
-        [min(nk, max(0, q * bs + off + min(bs, lq - q * bs) - 1) // bs + 1) for q in range(max(0, nq - 2), nq)] or [0]
-    )
+    # Widest row, from the band's key range per query block: a small CPU computation, so building
+    # the mask on the GPU needs no synchronisation.
+    i0 = torch.arange(nq, dtype=torch.int64) * bs
+    i1 = (i0 + bs).clamp(max=lq) - 1
+    j0 = (i0 - hi_).clamp(min=0)
+    j1 = (i1 - lo).clamp(max=lk - 1)
+    counts = torch.where(j1 >= j0, j1 // bs - j0 // bs + 1, 0)
+    width = int(counts.max()) if nq else 0
     return BlockSparseMask._from_table(
         table, pack_bits(cands), (lq, lk), (bs, bs), max_kv_blocks=width, compact=compact
     )
@@ -187,6 +208,11 @@ def sliding_window(
     seq_len = _positive("seq_len", seq_len, 0)
     window = _positive("window", window)
     lo = 0 if causal else -(window - 1)
+    bq, bk = _pair(block_size)
+    if bq == bk:
+        _check_block_size((bq, bk))
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        return _band_square(seq_len, seq_len, bq, lo, window - 1, dev, compact=False)
     return _band((seq_len, seq_len), block_size, device, lo=lo, hi=window - 1)
 
 

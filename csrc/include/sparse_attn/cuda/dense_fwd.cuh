@@ -85,6 +85,70 @@ __global__ void __launch_bounds__(kSoftmaxThreads) dense_softmax_kernel(__grid_c
   if (threadIdx.x == 0) p.lse[row] = empty ? -INFINITY : (nan ? NAN : ms.m + __logf(ms.s));
 }
 
+// Short rows (Lk <= 32 * kPerLane): one warp per row, the row held in registers, so S is read
+// once and no barrier or shared memory is needed. Same semantics as dense_softmax_kernel.
+constexpr int kSoftmaxWarpRows = 8;  // rows (warps) per CTA
+template <typename T, int kPerLane>
+__global__ void __launch_bounds__(kSoftmaxWarpRows * 32) dense_softmax_warp_kernel(__grid_constant__ const AttnFwdParams p) {
+  const int64_t row = int64_t(blockIdx.x) * kSoftmaxWarpRows + threadIdx.x / 32;
+  if (row >= int64_t(p.b) * p.h * p.lq) return;
+  const int lane = threadIdx.x % 32;
+  const int i = int(row % p.lq);
+  const int h = int((row / p.lq) % p.h);
+  const int b = int(row / (int64_t(p.lq) * p.h));
+  const float* s = p.scores + row * p.lk;
+  T* prob = static_cast<T*>(p.probs) + row * p.lk;
+  const int64_t mask_base = int64_t(b) * p.mask_batch_stride + int64_t(h) * p.mask_head_stride +
+                            int64_t(i) * p.mask_row_stride;
+  float x[kPerLane];
+  float m = -INFINITY;
+  bool nan = false;
+#pragma unroll
+  for (int u = 0; u < kPerLane; ++u) {
+    const int j = u * 32 + lane;
+    x[u] = j < p.lk ? masked_score(p, s, mask_base, i, j) : -INFINITY;
+    nan |= isnan(x[u]);
+    m = x[u] > m ? x[u] : m;  // a NaN score stays out of the max and turns the row NaN
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  nan = __any_sync(0xffffffffu, nan);
+  float sum = 0.f;
+#pragma unroll
+  for (int u = 0; u < kPerLane; ++u) {
+    x[u] = x[u] == -INFINITY ? 0.f : __expf(x[u] - m);
+    sum += x[u];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const bool empty = sum == 0.f && !nan;
+  const float inv = empty ? 0.f : (nan ? NAN : 1.f / sum);
+#pragma unroll
+  for (int u = 0; u < kPerLane; ++u) {
+    const int j = u * 32 + lane;
+    if (j < p.lk) prob[j] = from_f32<T>(x[u] * inv);
+  }
+  if (lane == 0) p.lse[row] = empty ? -INFINITY : (nan ? NAN : m + __logf(sum));
+}
+
+template <typename T>
+cudaError_t launch_dense_softmax(const AttnFwdParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.b) * p.h * p.lq;
+  const unsigned warp_blocks = unsigned((rows + kSoftmaxWarpRows - 1) / kSoftmaxWarpRows);
+  if (p.lk <= 32 * 8) {
+    dense_softmax_warp_kernel<T, 8><<<warp_blocks, kSoftmaxWarpRows * 32, 0, stream>>>(p);
+  } else if (p.lk <= 32 * 32) {
+    dense_softmax_warp_kernel<T, 32><<<warp_blocks, kSoftmaxWarpRows * 32, 0, stream>>>(p);
+  } else if (p.lk <= 32 * 64) {
+    dense_softmax_warp_kernel<T, 64><<<warp_blocks, kSoftmaxWarpRows * 32, 0, stream>>>(p);
+  } else if (p.lk <= 32 * 128) {
+    dense_softmax_warp_kernel<T, 128><<<warp_blocks, kSoftmaxWarpRows * 32, 0, stream>>>(p);
+  } else {
+    dense_softmax_kernel<T><<<unsigned(rows), kSoftmaxThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
 template <typename T>
 struct CublasType;
 template <> struct CublasType<float> { static constexpr cudaDataType_t value = CUDA_R_32F; };
@@ -124,8 +188,7 @@ cudaError_t dense_fwd_impl(const AttnFwdParams& p, cublasHandle_t handle, cudaSt
     }
   }
   // 2. P = softmax(S) row by row.
-  dense_softmax_kernel<T><<<unsigned(int64_t(p.b) * p.h * p.lq), kSoftmaxThreads, 0, stream>>>(p);
-  SA_CUDA_TRY(cudaGetLastError());
+  SA_CUDA_TRY(launch_dense_softmax<T>(p, stream));
   // 3. O^T (Dv x Lq) = V^T (Dv x Lk) P^T (Lk x Lq).
   for (int b = 0; b < p.b; ++b) {
     for (int j = 0; j < g; ++j) {
