@@ -1,0 +1,42 @@
+"""Tiny shapes through every CUDA kernel, for compute-sanitizer (memcheck, racecheck):
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
+        python tools/sanitize_cases.py [--quick]
+"""
+
+import sys
+
+import torch
+
+import sparse_attn
+from sparse_attn import patterns
+
+torch.manual_seed(0)
+dev = "cuda"
+quick = "--quick" in sys.argv  # racecheck is ~20x slower: bf16, two head dims
+for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32):
+    for d in (64, 128) if quick else (64, 128, 256, 40):
+        for lq, lk in ((1, 1), (17, 129), (129, 17), (200, 300)):
+            q = torch.randn(2, 4, lq, d, device=dev, dtype=dtype)
+            k = torch.randn(2, 2, lk, d, device=dev, dtype=dtype)
+            v = torch.randn(2, 2, lk, d, device=dev, dtype=dtype)
+            for causal in (False, True):
+                sparse_attn.flash_attention(q, k, v, causal=causal)
+            sparse_attn.flash_attention(q, k, v, window=(50, 10))
+            sparse_attn.dense_attention(q, k, v, causal=True)
+            sparse_attn.topk_attention(q, k, v, 7, causal=True)
+            if lq == lk or lq < lk:
+                for bs in (64, 128, (64, 128)):
+                    mask = patterns.causal(lq, lk, block_size=bs, device=dev)
+                    sparse_attn.block_sparse_attention(q, k, v, mask)
+            if lq == lk and lq >= 4:
+                m = patterns.longformer(lq, 40, [0, 3], device=dev) | patterns.dilated(lq, 90, 3, device=dev)
+                sparse_attn.block_sparse_attention(q, k, v, m)
+                sparse_attn.topk_attention(q, k, v, 1, block_size=64, causal=True)
+iq = torch.randn(2, 100, 4, 64, device=dev, dtype=torch.bfloat16)
+ik = torch.randn(2, 100, 64, device=dev, dtype=torch.bfloat16)
+iw = torch.randn(2, 100, 4, device=dev, dtype=torch.bfloat16)
+q = torch.randn(2, 4, 100, 64, device=dev, dtype=torch.bfloat16)
+sparse_attn.topk_attention(q, q[:, :2], q[:, :2], 9, causal=True, index_query=iq, index_key=ik, index_weights=iw)
+torch.cuda.synchronize()
+print("sanitize cases done")
