@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,6 +148,8 @@ def flex_fn(device: torch.device):
     if device.type not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
+        if device.type != "cuda":  # eager on purpose: compiling on the CPU takes minutes
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         _FLEX[device.type] = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
     return _FLEX[device.type]
 
