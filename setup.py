@@ -13,6 +13,12 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def nvcc_flags():
+    """The nvcc flags shared with tools/check_cuda_compile.py (csrc/nvcc_flags.txt)."""
+    with open(os.path.join(ROOT, "csrc", "nvcc_flags.txt")) as f:
+        return [w for line in f if not line.lstrip().startswith("#") for w in line.split()]
+
+
 def _cuda_wanted(torch, cuda_home):
     if os.environ.get("SPARSE_ATTN_SKIP_CUDA", "0") == "1":
         return False
@@ -72,18 +78,7 @@ def _extensions():
             )
         ]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
-    nvcc = [
-        "-O3",
-        "-std=c++20",
-        "--use_fast_math",
-        "-lineinfo",
-        "-DNDEBUG",
-        "--expt-relaxed-constexpr",
-        "-Xptxas=--warn-on-spills",
-        "--resource-usage",
-        "--threads",
-        os.environ.get("NVCC_THREADS", "2"),
-    ]
+    nvcc = nvcc_flags() + ["--threads", os.environ.get("NVCC_THREADS", "2")]
     sources += sorted(
         glob.glob("csrc/instantiations/*.cu", root_dir=ROOT)
         + glob.glob("csrc/cuda/*.cu", root_dir=ROOT)

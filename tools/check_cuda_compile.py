@@ -27,15 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Header wheels matching CUDA 13.0 (the versions a CUDA build of torch 2.14 depends on).
 HEADER_WHEELS = ("nvidia-cublas==13.1.1.3", "nvidia-cusparse==12.6.3.3", "nvidia-cusolver==12.0.4.66")
+# The build's own flags (setup.py reads the same file).
 NVCC_FLAGS = [
-    "-std=c++20",
-    "-O3",
-    "--use_fast_math",
-    "-lineinfo",
-    "-DNDEBUG",
-    "--expt-relaxed-constexpr",
-    "-Xptxas=--warn-on-spills",
-    "--resource-usage",
+    w
+    for line in (ROOT / "csrc" / "nvcc_flags.txt").read_text().splitlines()
+    if not line.lstrip().startswith("#")
+    for w in line.split()
 ]
 
 
