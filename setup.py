@@ -79,6 +79,8 @@ def _extensions():
         ]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
     nvcc = nvcc_flags() + ["--threads", os.environ.get("NVCC_THREADS", "2")]
+    if "9.0a" in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";"):
+        nvcc.append("-DSPARSE_ATTN_SM90A")  # the build holds the Hopper kernels (csrc/cuda/sm90_host.cu)
     sources += sorted(
         glob.glob("csrc/instantiations/*.cu", root_dir=ROOT)
         + glob.glob("csrc/cuda/*.cu", root_dir=ROOT)

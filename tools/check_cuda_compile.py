@@ -84,7 +84,8 @@ def gencode(arch: str) -> list[str]:
 
 def compile_cu(nvcc: Path, src: Path, arch: str, includes: list[Path], out_dir: Path):
     obj = out_dir / f"{src.stem}.sm{arch}.o"
-    cmd = [str(nvcc), *NVCC_FLAGS, *gencode(arch), *[f"-I{p}" for p in includes], "-c", str(src), "-o", str(obj)]
+    sm90 = ["-DSPARSE_ATTN_SM90A"] if arch == "90a" else []  # as setup.py defines it for a 9.0a build
+    cmd = [str(nvcc), *NVCC_FLAGS, *sm90, *gencode(arch), *[f"-I{p}" for p in includes], "-c", str(src), "-o", str(obj)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     return src, arch, res.returncode, res.stdout + res.stderr
 

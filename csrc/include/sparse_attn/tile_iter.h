@@ -159,18 +159,19 @@ struct BlockSparseTiles {
     return !block_ok(e) || part[e] >= 0 || int64_t(n_block(it) + 1) * kBlockN > lk;
   }
 
-  SA_HD uint64_t visible_bits(int it, int row, int /*col0*/ = 0) const {
-    static_assert(kBlockN == 32 || kBlockN == 64, "one or two mask words per tile row");
+  SA_HD uint64_t visible_bits(int it, int row, int col0 = 0) const {
+    static_assert(kBlockN == 32 || kBlockN % 64 == 0, "one or two mask words per call");
+    constexpr int kWidth = kBlockN < 64 ? kBlockN : 64;  // columns covered by one call
     const int e = it / sub;
     if (!block_ok(e)) return 0;
-    const int64_t n0 = int64_t(n_block(it)) * kBlockN;
-    const uint64_t in_range = bit_range(0, min64(kBlockN - 1, lk - 1 - n0));
+    const int64_t n0 = int64_t(n_block(it)) * kBlockN + col0;
+    const uint64_t in_range = bit_range(0, min64(kWidth - 1, lk - 1 - n0));
     const int pid = part[e];
     if (pid < 0) return in_range;
-    // Words of this row covering the tile's columns (it % sub selects the tile within the block).
-    const int32_t* w = masks + (int64_t(pid) * q_block + (row - row0)) * words + (it % sub) * (kBlockN / 32);
+    // Words of this row covering columns col0.. of the tile (it % sub selects the tile within the block).
+    const int32_t* w = masks + (int64_t(pid) * q_block + (row - row0)) * words + ((it % sub) * kBlockN + col0) / 32;
     uint64_t bits = uint32_t(w[0]);
-    if constexpr (kBlockN == 64) bits |= uint64_t(uint32_t(w[1])) << 32;
+    if constexpr (kWidth == 64) bits |= uint64_t(uint32_t(w[1])) << 32;
     return bits & in_range;
   }
 };

@@ -13,6 +13,7 @@
 
 #include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/flash_fwd.h"
+#include "sparse_attn/cuda/flash_softmax.cuh"
 #include "sparse_attn/cuda/ptx.cuh"
 #include "sparse_attn/tile_iter.h"
 
@@ -195,83 +196,12 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
       });
     }
 
-    // Online softmax in log2 units, phase by phase over all of this thread's rows so that the
-    // dependency chains of different rows interleave. Scores are scaled before the max is taken:
-    // folding the scale into exp2 as one FFMA leaves a rounding residual of up to half an ulp of
-    // |score * scale| against the separately rounded max, which overflows exp2 at large
-    // magnitudes (TESTING.md 3.3 #27), and it did not measurably help.
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < kNTiles; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
-    if (tiles.tile_needs_mask(it)) {
-      // Column ni * 8 + 2t + e of the tile is bit (ni * 8 + e) of the row's mask shifted by 2t.
-#pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = m0 + warp_row0 + mi * 16 + g + half * 8;
-          static_for<(kBlockN + 63) / 64>([&](auto c_) {
-            constexpr int c64 = decltype(c_)::value * 64;
-            constexpr int n_end = (c64 + 64 < kBlockN ? c64 + 64 : kBlockN) / 8;
-            const uint64_t bits = tiles.visible_bits(it, row, c64) >> (2 * t);
-#pragma unroll
-            for (int ni = c64 / 8; ni < n_end; ++ni)
-#pragma unroll
-              for (int e = 0; e < 2; ++e)
-                if (!((bits >> ((ni % 8) * 8 + e)) & 1u)) s[mi][ni][2 * half + e] = -INFINITY;
-          });
-        }
-      }
+    scale_and_mask<kBlockN>(s, tiles, it, m0 + warp_row0 + g, t, p.scale_log2);
+    {
+      float alpha[kMTiles][2];
+      online_softmax(s, row_max, row_sum, alpha);
+      rescale_o(acc_o, alpha);
     }
-    float mx[kMTiles][2], m_ref[kMTiles][2];
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        mx[mi][half] = -INFINITY;
-#pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni)
-          mx[mi][half] = fmaxf(mx[mi][half], fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
-      }
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) mx[mi][half] = quad_max(mx[mi][half]);
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float m_new = fmaxf(row_max[mi][half], mx[mi][half]);
-        // A row with nothing visible so far keeps m = -inf; exp2 then uses 0 as reference.
-        m_ref[mi][half] = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = exp2f(row_max[mi][half] - m_ref[mi][half]);
-        row_max[mi][half] = m_new;
-        row_sum[mi][half] *= alpha;
-#pragma unroll
-        for (int nd = 0; nd < kDTiles; ++nd) {
-          acc_o[mi][nd][2 * half] *= alpha;
-          acc_o[mi][nd][2 * half + 1] *= alpha;
-        }
-      }
-    }
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < kNTiles; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mi][ni][e] = exp2f(s[mi][ni][e] - m_ref[mi][e / 2]);
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float sum = 0.f;
-#pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni) sum += s[mi][ni][2 * half] + s[mi][ni][2 * half + 1];
-        row_sum[mi][half] += sum;
-      }
 
     cp_async_wait<0>();
     __syncthreads();  // V[it] landed; every warp is done with K[it]
@@ -284,16 +214,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
     // O += P V. P is packed to 16 bits once (its layout is mma's A-operand layout); V fragments
     // stream through a ring of kVRing ldmatrix results, each loaded kVRing steps before its use.
     uint32_t pa[kMTiles][kBlockN / 16][4];
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        pa[mi][kk][0] = pack2<Tr::kDtype>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-        pa[mi][kk][1] = pack2<Tr::kDtype>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-        pa[mi][kk][2] = pack2<Tr::kDtype>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-        pa[mi][kk][3] = pack2<Tr::kDtype>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
-      }
-    }
+    pack_p<Tr::kDtype>(s, pa);
     {
       constexpr int kPairs = kDTiles / 2;                    // ldmatrix.x4 per 16 keys
       constexpr int kSteps = (kBlockN / 16) * kPairs;        // (key slice, column pair) steps
@@ -327,18 +248,15 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float l = quad_sum(row_sum[mi][half]);
-      const float inv = l == 0.f ? 0.f : 1.f / l;  // an empty row gives 0; NaN stays NaN
+      float lse;
+      const float inv = finish_row(row_max[mi][half], row_sum[mi][half], lse);
       const int r = warp_row0 + mi * 16 + g + half * 8;
 #pragma unroll
       for (int nd = 0; nd < kDTiles; ++nd) {
         *reinterpret_cast<uint32_t*>(smem_o + swz<kChunks>(r, nd) + t * 4) =
             pack2<Tr::kDtype>(acc_o[mi][nd][2 * half] * inv, acc_o[mi][nd][2 * half + 1] * inv);
       }
-      if (t == 0 && m0 + r < p.lq) {
-        const float lse = l == 0.f ? -INFINITY : (row_max[mi][half] + __log2f(l)) * 0.69314718055994530942f;
-        p.lse[(int64_t(b) * p.h + h) * p.lq + m0 + r] = lse;
-      }
+      if (t == 0 && m0 + r < p.lq) p.lse[(int64_t(b) * p.h + h) * p.lq + m0 + r] = lse;
     }
   }
   __syncthreads();
@@ -363,6 +281,9 @@ namespace sparse_attn {
 
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_(const AttnFwdParams& params, cudaStream_t stream) {
+  if constexpr ((kHeadDim == 64 || kHeadDim == 128) && kVariant != Variant::kBlockSparseM64) {
+    if (flash_sm90_eligible(params, kVariant)) return run_flash_fwd_sm90_<kDtype, kHeadDim, kVariant>(params, stream);
+  }
   using Tr = cuda::FlashFwdTraits<kDtype, kHeadDim, kVariant>;
   const int64_t grid = num_ctas<Tr::kBlockM>(params);
   if (grid == 0) return cudaSuccess;

@@ -27,12 +27,26 @@ constexpr FlashTile flash_fwd_tile(int head_dim, Variant v) {
   return {128, 64, head_dim >= 256 ? 8 : 4};
 }
 
+// Tile sizes of the Hopper (wgmma) kernel: 128 query rows (two consumer warpgroups) x 128 keys,
+// 12 warps (one producer warpgroup). Block-sparse runs here for 128 x 128 mask blocks only.
+constexpr FlashTile flash_fwd_sm90_tile(int /*head_dim*/, Variant /*v*/) { return {128, 128, 12}; }
+
 // Tile sizes of the fp32 (CUDA-core) kernel.
 constexpr FlashTile flash_fwd_fp32_tile() { return {16, 32, 4}; }
 
 // Tensor-core kernel: kDtype is kBFloat16 or kFloat16; head dims up to kHeadDim (64, 128, 256).
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_(const AttnFwdParams& params, cudaStream_t stream);
+
+// Hopper kernel (sm_90a, kHeadDim 64 or 128; kWindow or kBlockSparse). run_flash_fwd_ calls it
+// itself when flash_sm90_eligible says so.
+template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
+cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream);
+
+// True when the current device is compute capability 9.0, this build holds sm_90a code, the
+// environment does not say SPARSE_ATTN_SM90=0, and the inputs suit TMA (16-byte aligned bases,
+// strides multiples of 8 elements, head dim <= 128, 128 x 128 mask blocks for block-sparse).
+bool flash_sm90_eligible(const AttnFwdParams& params, Variant variant);
 
 // fp32 inputs (any head dim up to 256): exact fp32 arithmetic on the CUDA cores.
 template <Variant kVariant>

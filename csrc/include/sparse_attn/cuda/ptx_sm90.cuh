@@ -1,0 +1,106 @@
+// Thin wrappers over the Hopper (sm_90a) instructions of the wgmma core: mbarriers, bulk tensor
+// copies (TMA), wgmma fences and shared-memory matrix descriptors, register reallocation.
+// Bodies are empty when compiled for another architecture; the launcher never runs them there.
+#pragma once
+
+#include <cstdint>
+
+namespace sparse_attn::cuda {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SA_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define SA_SM90_ASM(...) \
+  do {                   \
+  } while (0)
+#endif
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  SA_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_init_fence() { SA_SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// Arrive and add `bytes` to the transaction count the current phase waits for.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  SA_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  SA_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Blocks until the phase of parity `parity` has completed (a fresh barrier is in phase 0, so
+// waiting on parity 1 returns at once).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+
+// Tile of a 4-d tensor map at coordinates (c0 innermost .. c3) into shared memory; completion
+// is signalled on `bar` as transaction bytes (the whole box, out-of-range elements zero-filled).
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1, int c2,
+                                            int c3) {
+  SA_SM90_ASM(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
+  SA_SM90_ASM("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
+}
+
+// Shared memory written by ordinary stores, next read or overwritten by the async proxy
+// (wgmma, TMA), or the reverse.
+__device__ __forceinline__ void fence_proxy_async() { SA_SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { SA_SM90_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { SA_SM90_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  SA_SM90_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of registers that an in-flight wgmma owns
+// across this point (the asm statements are volatile, so they stay in order).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  SA_SM90_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  SA_SM90_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// Named barrier over `threads` threads (id 0 is __syncthreads).
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// wgmma shared-memory matrix descriptor for a 128-byte-swizzled operand: start address, leading
+// and stride byte offsets (K-major: stride = bytes between 8-row groups, leading unused; MN-major:
+// leading = bytes between 64-element column blocks, stride = bytes between 8-row groups).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t leading, uint32_t stride) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((leading >> 4) & 0x3FFF) << 16) |
+         (uint64_t((stride >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
+}
+
+}  // namespace sparse_attn::cuda
