@@ -220,9 +220,14 @@ def block_sparse_attention(
 
 
 def _run_block_sparse(query, key, value, m: BlockSparseMask, scale):
-    # Heaviest query blocks first, so a few long rows (global tokens) start early instead of
-    # finishing alone at the end. An argsort on the mask's device: no synchronisation.
-    order = torch.argsort(m.kv_num_blocks.amax(dim=(0, 1)), descending=True, stable=True).to(torch.int32)
+    # CTA schedule (tile_of_cta): query blocks far heavier than the mean (global-token rows) run
+    # first across every head, so they do not finish alone at the end; the rest run one head at
+    # a time, heaviest first, so the CTAs in flight share that head's K/V in L2. Computed on the
+    # mask's device: no synchronisation.
+    weights = m.kv_num_blocks.amax(dim=(0, 1))
+    order = torch.argsort(weights, descending=True, stable=True)
+    heavy = (weights.float() > 2 * weights.float().mean()).sum().reshape(1)
+    order = torch.cat([order, heavy]).to(torch.int32)
     return _ops.block_sparse_fwd.default(
         query,
         key,

@@ -33,6 +33,13 @@ for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, tor
                 m = patterns.longformer(lq, 40, [0, 3], device=dev) | patterns.dilated(lq, 90, 3, device=dev)
                 sparse_attn.block_sparse_attention(q, k, v, m)
                 sparse_attn.topk_attention(q, k, v, 1, block_size=64, causal=True)
+# Several key tiles per query tile: the Hopper core's K/V ring wraps around and its consumers
+# ping-pong (and the portable core's double buffering runs more than once).
+for d in (64, 128):
+    q, k, v = (torch.randn(1, 2, 700, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    for causal in (False, True):
+        sparse_attn.flash_attention(q, k, v, causal=causal)
+    sparse_attn.block_sparse_attention(q, k, v, patterns.longformer(700, 150, [0, 400], device=dev))
 iq = torch.randn(2, 100, 4, 64, device=dev, dtype=torch.bfloat16)
 ik = torch.randn(2, 100, 64, device=dev, dtype=torch.bfloat16)
 iw = torch.randn(2, 100, 4, device=dev, dtype=torch.bfloat16)

@@ -240,11 +240,12 @@ at::Tensor set_params_block_order(AttnFwdParams& params, const at::Tensor& query
   const at::Tensor& order = *q_block_order;
   check_int32(order, "q_block_order");
   check_same_device(query, order, "q_block_order");
-  TORCH_CHECK(order.dim() == 1 && order.size(0) == params.num_q_blocks, "q_block_order must have shape (",
-              params.num_q_blocks, ",), got ", order.sizes());
+  TORCH_CHECK(order.dim() == 1 && order.size(0) == params.num_q_blocks + 1, "q_block_order must have shape (",
+              params.num_q_blocks + 1, ",) (nQb + 1), got ", order.sizes());
   // No device check of the values (that would synchronise): the kernel skips any value outside
   // [0, nQb) (tile_of_cta), so a malformed order cannot read out of range; block_sparse_attention
-  // always passes a permutation (an argsort), which is what every output row needs.
+  // always passes a permutation (an argsort) and a count in [0, nQb], which is what every output
+  // row needs.
   at::Tensor c = order.contiguous();
   params.q_block_order = c.data_ptr<int32_t>();
   return c;

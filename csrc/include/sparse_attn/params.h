@@ -56,9 +56,9 @@ struct AttnFwdParams {
   int64_t bs_batch_stride, bs_head_stride;    // strides of kv_num_blocks over (Bm, Hm); indices use * max_kv_blocks
   int q_block, kv_block;
   int num_q_blocks, num_kv_blocks, max_kv_blocks, num_partial;
-  // Optional CTA schedule: query blocks in the order to run them (heaviest first), each over
-  // all (batch, head) pairs; nullptr = the default order.
-  const int32_t* __restrict__ q_block_order;  // (nQb,), int32
+  // Optional CTA schedule (tile_of_cta): the query blocks, heaviest first, then the number of
+  // leading ones that run across every (batch, head) before the rest; nullptr = the default order.
+  const int32_t* __restrict__ q_block_order;  // (nQb + 1,), int32
 
   // ---- gather (top-k) attention only ----
   const int32_t* __restrict__ indices;  // (B, Hi, Lq, topk), int32; -1 (or out of range) = no key

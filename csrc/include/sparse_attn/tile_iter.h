@@ -34,9 +34,13 @@ SA_HD uint64_t bit_range(int64_t lo, int64_t hi) {
 }
 
 // Which (batch * heads + head, query tile) a CTA runs. Default: query tiles of one (batch, head)
-// adjacent, the last first; causal (not block-sparse): the heaviest tile of every head first. With a block-sparse q_block_order: the listed
-// query blocks in that order, each over every (batch, head), split into q_block / kBlockM tiles;
-// returns false for a tile past the end of the queries (the grid is rounded up to whole blocks).
+// adjacent, the last first; causal (not block-sparse): the heaviest tile of every head first.
+// With a block-sparse q_block_order (nQb entries, heaviest first, then h): the first h listed
+// query blocks (rows far heavier than the rest, e.g. global tokens) run first, each over every
+// (batch, head), so they do not finish alone at the end; the others run one (batch, head) at a
+// time in the listed order, so that the CTAs in flight share one head's K/V in L2. Each query
+// block is split into q_block / kBlockM tiles. Returns false for a tile past the end of the
+// queries (the grid is rounded up to whole blocks) or for an out-of-range entry.
 template <int kBlockM>
 SA_HD bool tile_of_cta(const AttnFwdParams& p, int64_t cta, int& bh, int& m_block) {
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
@@ -53,13 +57,26 @@ SA_HD bool tile_of_cta(const AttnFwdParams& p, int64_t cta, int& bh, int& m_bloc
     }
     return true;
   }
-  const int sub = p.q_block / kBlockM;
-  const int64_t per_block = int64_t(p.b) * p.h * sub;
-  const int qb = p.q_block_order[cta / per_block];
-  if (qb < 0 || qb >= p.num_q_blocks) return false;  // a malformed order never reads out of range
-  const int64_t r = cta % per_block;
-  bh = int(r / sub);
-  m_block = qb * sub + int(r % sub);
+  const int nqb = p.num_q_blocks, sub = p.q_block / kBlockM;
+  const int64_t bhs = int64_t(p.b) * p.h;
+  int heavy = p.q_block_order[nqb];
+  heavy = heavy < 0 ? 0 : (heavy > nqb ? nqb : heavy);
+  const int64_t heavy_ctas = int64_t(heavy) * sub * bhs;
+  int pos, part;
+  if (cta < heavy_ctas) {
+    pos = int(cta / (sub * bhs));
+    const int64_t r = cta % (sub * bhs);
+    bh = int(r / sub);
+    part = int(r % sub);
+  } else {
+    const int64_t per_head = int64_t(nqb - heavy) * sub, c = cta - heavy_ctas;
+    bh = int(c / per_head);
+    pos = heavy + int((c % per_head) / sub);
+    part = int(c % sub);
+  }
+  const int qb = p.q_block_order[pos];
+  if (qb < 0 || qb >= nqb) return false;  // a malformed order never reads out of range
+  m_block = qb * sub + part;
   return m_block < num_m;
 }
 

@@ -27,9 +27,12 @@ constexpr FlashTile flash_fwd_tile(int head_dim, Variant v) {
   return {128, 64, head_dim >= 256 ? 8 : 4};
 }
 
-// Tile sizes of the Hopper (wgmma) kernel: 128 query rows (two consumer warpgroups) x 128 keys,
-// 12 warps (one producer warpgroup). Block-sparse runs here for 128 x 128 mask blocks only.
-constexpr FlashTile flash_fwd_sm90_tile(int /*head_dim*/, Variant /*v*/) { return {128, 128, 12}; }
+// Tile sizes of the Hopper (wgmma) kernel: 64 query rows per consumer warpgroup x 128 keys, plus
+// one producer warpgroup. Head dim 64 has half the GEMM work per score, so three consumers keep
+// the tensor cores busy through the softmax; block-sparse runs here for 128 x 128 mask blocks only.
+constexpr FlashTile flash_fwd_sm90_tile(int head_dim, Variant v) {
+  return v == Variant::kWindow && head_dim <= 64 ? FlashTile{192, 128, 16} : FlashTile{128, 128, 12};
+}
 
 // Tile sizes of the fp32 (CUDA-core) kernel.
 constexpr FlashTile flash_fwd_fp32_tile() { return {16, 32, 4}; }

@@ -1,14 +1,16 @@
 // The flash attention forward kernel on Hopper (sm_90a): the same main loop and key-tile
 // iterators as flash_fwd.cuh, on the Hopper machinery.
 //
-// Per CTA: one query tile of 128 rows of one (batch, head), three warpgroups. Warpgroup 0 is the
-// producer: one thread issues TMA copies of Q once and of K and V tiles into a kStages-deep ring
+// Persistent CTAs, one per SM, each running query tiles of kBlockM rows of one (batch, head) in
+// turn. Warpgroup 0 is the producer: one thread issues TMA copies of Q (one buffer, reloaded once
+// the consumers are done with it) and of K and V tiles into a kStages-deep ring
 // of shared-memory buffers, each buffer with a "full" mbarrier (TMA transaction bytes) and an
 // "empty" one (one arrival per consumer warp). It gives most of its registers to the consumers
-// (setmaxnreg). Warpgroups 1 and 2 are consumers, 64 query rows each: S = Q K^T as wgmma with both
-// operands in shared memory, the online softmax in registers (flash_softmax.cuh), O += P V as
-// wgmma with P from registers. The two consumers share K/V buffers and interleave on the tensor
-// cores: while one runs its softmax, the other's GEMMs run.
+// (setmaxnreg). The other warpgroups are consumers, 64 query rows each: S = Q K^T as wgmma with
+// both operands in shared memory, the online softmax in registers (flash_softmax.cuh), O += P V as
+// wgmma with P from registers. Within a consumer the softmax of tile j overlaps the P V GEMM of
+// tile j - 1; with two consumers, named barriers make them take turns issuing GEMMs (ping-pong),
+// so one's softmax runs under the other's GEMMs.
 //
 // Shared memory is 128-byte swizzled (TMA writes it that way, wgmma reads it that way): a tile of
 // R rows and D columns is D / 64 column blocks of R rows x 128 bytes, each 1024-byte aligned.
@@ -19,6 +21,7 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 
 #include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/flash_fwd.cuh"
@@ -35,6 +38,7 @@ namespace sparse_attn::cuda {
 struct FlashSm90Params {
   AttnFwdParams p;
   CUtensorMap tma_q, tma_k, tma_v;
+  int pingpong;
 };
 
 template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant>
@@ -42,7 +46,8 @@ struct FlashSm90Traits {
   static constexpr ScalarKind kDtype = kDtype_;
   static constexpr FlashTile kTile = flash_fwd_sm90_tile(kHeadDim_, kVariant);
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kTile.block_m;  // two consumer warpgroups of 64 rows
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = 2;
   static constexpr int kNThreads = kTile.warps * 32;
@@ -53,13 +58,14 @@ struct FlashSm90Traits {
   static constexpr int kKVColBytes = kBlockN * 128;  // one 64-column block of a K or V tile
   static constexpr int kQBytes = kColBlocks * kQColBytes;
   static constexpr int kKVBytes = kColBlocks * kKVColBytes;
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + kBarrierBytes;  // + alignment slack
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
+  static constexpr int kSmemBytes = 1024 + 2 * kQBytes + 2 * kStages * kKVBytes + kBarrierBytes;  // Q, O, K, V
   // Registers per thread after reallocation: the producer keeps few, the consumers take the rest
-  // (128 * 24 + 256 * 240 <= 64K).
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // (128 * 24 + kConsumers * 128 * kConsumerRegs <= 64K).
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
   using Tiles = typename TilesOf<kVariant, kBlockM, kBlockN>::type;
-  static_assert(kBlockM == 128 && kTile.warps == 12 && kHeadDim % 64 == 0);
+  static_assert(kBlockM % 64 == 0 && kTile.warps == 4 * (kConsumers + 1) && kHeadDim % 64 == 0);
+  static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= 65536);
 };
 
 template <typename Tr>
@@ -71,22 +77,20 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
   const AttnFwdParams& p = P.p;
   extern __shared__ char smem_raw[];
   const uint32_t sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sK = sQ + Tr::kQBytes;                      // kStages K buffers
-  const uint32_t sV = sK + kStages * Tr::kKVBytes;           // kStages V buffers
-  const uint32_t bar_q = sV + kStages * Tr::kKVBytes;        // Q landed
-  const uint32_t bar_k_full = bar_q + 8, bar_k_empty = bar_k_full + 8 * kStages;
+  const uint32_t sO = sQ + Tr::kQBytes;                // output staging, same layout as Q
+  const uint32_t sK = sO + Tr::kQBytes;                // kStages K buffers
+  const uint32_t sV = sK + kStages * Tr::kKVBytes;     // kStages V buffers
+  const uint32_t bar_q_full = sV + kStages * Tr::kKVBytes, bar_q_empty = bar_q_full + 8;
+  const uint32_t bar_k_full = bar_q_empty + 8, bar_k_empty = bar_k_full + 8 * kStages;
   const uint32_t bar_v_full = bar_k_empty + 8 * kStages, bar_v_empty = bar_v_full + 8 * kStages;
-  constexpr int kConsumerWarps = 8;
-
-  int bh, m_block;
-  if (!tile_of_cta<kBlockM>(p, blockIdx.x, bh, m_block)) return;
-  const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
-  const int m0 = m_block * kBlockM;
-  const typename Tr::Tiles tiles(p, b, h, m_block);
-  const int n_tiles = tiles.num_tiles();
+  constexpr int kConsumerWarps = 4 * Tr::kConsumers;
+  // Persistent: CTA c runs tiles c, c + gridDim.x, ... of tile_of_cta's order (heaviest first), so
+  // the producer loads the next tile's Q, K and V while the consumers finish the current one.
+  const int64_t num_tiles = num_ctas<kBlockM>(p);
 
   if (threadIdx.x == 0) {
-    mbar_init(bar_q, 1);
+    mbar_init(bar_q_full, 1);
+    mbar_init(bar_q_empty, kConsumerWarps);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bar_k_full + 8 * s, 1);
       mbar_init(bar_v_full + 8 * s, 1);
@@ -101,25 +105,40 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
     // ---------------- producer ----------------
     setmaxnreg_dec<Tr::kProducerRegs>();
     if (threadIdx.x == 0) {
+      tma_prefetch_desc(&P.tma_q);
       tma_prefetch_desc(&P.tma_k);
       tma_prefetch_desc(&P.tma_v);
-      mbar_expect_tx(bar_q, Tr::kQBytes);
-#pragma unroll
-      for (int c = 0; c < Tr::kColBlocks; ++c) tma_load_4d(sQ + c * Tr::kQColBytes, &P.tma_q, bar_q, c * 64, m0, h, b);
-      for (int it = 0; it < n_tiles; ++it) {
-        const int s = it % kStages;
-        const uint32_t phase = (it / kStages) & 1;
-        const int n0 = tiles.n_block(it) * kBlockN;
-        mbar_wait(bar_k_empty + 8 * s, phase ^ 1);
-        mbar_expect_tx(bar_k_full + 8 * s, Tr::kKVBytes);
-#pragma unroll
-        for (int c = 0; c < Tr::kColBlocks; ++c)
-          tma_load_4d(sK + s * Tr::kKVBytes + c * Tr::kKVColBytes, &P.tma_k, bar_k_full + 8 * s, c * 64, n0, hk, b);
-        mbar_wait(bar_v_empty + 8 * s, phase ^ 1);
-        mbar_expect_tx(bar_v_full + 8 * s, Tr::kKVBytes);
+      int kv = 0, qn = 0;  // K/V tiles and Q tiles loaded so far: ring positions and phases
+      for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        int bh, m_block;
+        if (!tile_of_cta<kBlockM>(p, tile, bh, m_block)) continue;
+        const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
+        const typename Tr::Tiles tiles(p, b, h, m_block);
+        const int n_tiles = tiles.num_tiles();
+        if (n_tiles == 0) continue;  // the consumers write zeros without waiting for anything
+        mbar_wait(bar_q_empty, (qn & 1) ^ 1);
+        mbar_expect_tx(bar_q_full, Tr::kQBytes);
 #pragma unroll
         for (int c = 0; c < Tr::kColBlocks; ++c)
-          tma_load_4d(sV + s * Tr::kKVBytes + c * Tr::kKVColBytes, &P.tma_v, bar_v_full + 8 * s, c * 64, n0, hk, b);
+          tma_load_4d(sQ + c * Tr::kQColBytes, &P.tma_q, bar_q_full, c * 64, m_block * kBlockM, h, b);
+        ++qn;
+        for (int it = 0; it < n_tiles; ++it, ++kv) {
+          const int s = kv % kStages;
+          const uint32_t phase = (kv / kStages) & 1;
+          const int n0 = tiles.n_block(it) * kBlockN;
+          mbar_wait(bar_k_empty + 8 * s, phase ^ 1);
+          mbar_expect_tx(bar_k_full + 8 * s, Tr::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < Tr::kColBlocks; ++c)
+            tma_load_4d(sK + s * Tr::kKVBytes + c * Tr::kKVColBytes, &P.tma_k, bar_k_full + 8 * s, c * 64, n0, hk,
+                        b);
+          mbar_wait(bar_v_empty + 8 * s, phase ^ 1);
+          mbar_expect_tx(bar_v_full + 8 * s, Tr::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < Tr::kColBlocks; ++c)
+            tma_load_4d(sV + s * Tr::kKVBytes + c * Tr::kKVColBytes, &P.tma_v, bar_v_full + 8 * s, c * 64, n0, hk,
+                        b);
+        }
       }
     }
     return;
@@ -127,124 +146,156 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
 
   // ---------------- consumers ----------------
   setmaxnreg_inc<Tr::kConsumerRegs>();
-  const int wg = threadIdx.x / 128 - 1;  // 0 or 1: query rows wg * 64 .. wg * 64 + 63 of the tile
+  const int wg = threadIdx.x / 128 - 1;  // query rows wg * 64 .. wg * 64 + 63 of the tile
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int row_base = m0 + wg * 64 + warp * 16 + g;  // rows row_base and row_base + 8
-
-  float acc_o[1][kDTiles][4];
-  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
-#pragma unroll
-  for (int nd = 0; nd < kDTiles; ++nd)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
-  auto& o_flat = reinterpret_cast<float(&)[kDTiles * 4]>(acc_o);
-
   const uint32_t q_rows = sQ + wg * 64 * 128;  // this warpgroup's 64 rows within each column block
-  float sc[1][kNTiles][4];
-  auto& s_flat = reinterpret_cast<float(&)[kNTiles * 4]>(sc);
-  uint32_t pa[1][kBlockN / 16][4];
-  auto& pa_flat = reinterpret_cast<uint32_t(&)[kBlockN / 4]>(pa);
+  const bool pingpong = Tr::kConsumers == 2 && P.pingpong != 0;
+  char* smem_o = smem_raw + (sO - smem_u32(smem_raw));
+  int kv = 0, qn = 0;
 
-  // S = Q K^T of tile it: kHeadDim / 16 wgmmas of K = 16, both operands K-major. Within a
-  // 128-byte swizzle row a K step of 16 elements is +32 bytes of start address. Committed as one
-  // group, not waited for.
-  auto issue_qk = [&](int it) {
-    const int s = it % kStages;
-    mbar_wait(bar_k_full + 8 * s, (it / kStages) & 1);
-    wgmma_fence();
-    static_for<Tr::kHeadDim / 16>([&](auto kk_) {
-      constexpr int kk = decltype(kk_)::value;
-      constexpr uint32_t off = (kk % 4) * 32;
-      const uint64_t da = sw128_desc(q_rows + (kk / 4) * Tr::kQColBytes + off, 16, 1024);
-      const uint64_t db = sw128_desc(sK + s * Tr::kKVBytes + (kk / 4) * Tr::kKVColBytes + off, 16, 1024);
-      Wgmma<Tr::kDtype, kBlockN>::ss(s_flat, da, db, kk > 0 ? 1 : 0);
-    });
-    wgmma_commit();
-  };
-  // O += P V of tile it: kBlockN / 16 wgmmas of K = 16 keys; V is MN-major (head dim contiguous):
-  // 16 keys are 16 rows (2048 bytes) of every column block, column blocks kKVColBytes apart.
-  auto issue_pv = [&](int it) {
-    const int s = it % kStages;
-    mbar_wait(bar_v_full + 8 * s, (it / kStages) & 1);
-    wgmma_fence();
-    static_for<kBlockN / 16>([&](auto kk_) {
-      constexpr int kk = decltype(kk_)::value;
-      const uint64_t db = sw128_desc(sV + s * Tr::kKVBytes + kk * 2048, Tr::kKVColBytes, 1024);
-      Wgmma<Tr::kDtype, Tr::kHeadDim>::rs(o_flat, pa[0][kk], db);
-    });
-    wgmma_commit();
-  };
-  auto release = [&](uint32_t bar, int it) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar + 8 * (it % kStages));
-  };
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    int bh, m_block;
+    if (!tile_of_cta<kBlockM>(p, tile, bh, m_block)) continue;
+    const int b = bh / p.h, h = bh % p.h;
+    const int m0 = m_block * kBlockM;
+    const typename Tr::Tiles tiles(p, b, h, m_block);
+    const int n_tiles = tiles.num_tiles();
+    const int row_base = m0 + wg * 64 + warp * 16 + g;  // rows row_base and row_base + 8
 
-  mbar_wait(bar_q, 0);
-  if (n_tiles > 0) {
-    issue_qk(0);
-    wgmma_wait<0>();
-    fence_regs(s_flat);
-    release(bar_k_empty, 0);
-    float alpha[1][2];
-    scale_and_mask<kBlockN>(sc, tiles, 0, row_base, t, p.scale_log2);
-    online_softmax(sc, row_max, row_sum, alpha);  // O is still zero: nothing to rescale
-    pack_p<Tr::kDtype>(sc, pa);
-  }
-  // Steady state: the GEMMs of S(it) and of O += P(it - 1) V(it - 1) are in flight together; the
-  // softmax of S(it) runs while the tensor cores finish the second.
-  for (int it = 1; it < n_tiles; ++it) {
-    issue_qk(it);
-    issue_pv(it - 1);
-    wgmma_wait<1>();
-    fence_regs(s_flat);
-    release(bar_k_empty, it);
-    float alpha[1][2];
-    scale_and_mask<kBlockN>(sc, tiles, it, row_base, t, p.scale_log2);
-    online_softmax(sc, row_max, row_sum, alpha);
-    wgmma_wait<0>();
-    fence_regs(o_flat);
-    fence_regs(pa_flat);
-    release(bar_v_empty, it - 1);
-    rescale_o(acc_o, alpha);
-    pack_p<Tr::kDtype>(sc, pa);
-  }
-  if (n_tiles > 0) {
-    issue_pv(n_tiles - 1);
-    wgmma_wait<0>();
-    fence_regs(o_flat);
-    fence_regs(pa_flat);
-    release(bar_v_empty, n_tiles - 1);
-  }
-
-  // Epilogue: O / l through this warpgroup's rows of Q's buffer (its own wgmmas no longer read
-  // them), 128-byte swizzled, then 16-byte coalesced stores; LSE.
-  fence_proxy_async();
-  char* smem_q = smem_raw + (sQ - smem_u32(smem_raw));
-  auto o_offset = [](int r, int chunk) {  // r: row of the tile, chunk: 16-byte column chunk
-    return (chunk / 8) * Tr::kQColBytes + r * 128 + (((chunk % 8) ^ (r % 8)) * 16);
-  };
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float lse;
-    const float inv = finish_row(row_max[0][half], row_sum[0][half], lse);
-    const int r = wg * 64 + warp * 16 + g + half * 8;
+    float acc_o[1][kDTiles][4];
+    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
 #pragma unroll
     for (int nd = 0; nd < kDTiles; ++nd)
-      *reinterpret_cast<uint32_t*>(smem_q + o_offset(r, nd) + t * 4) =
-          pack2<Tr::kDtype>(acc_o[0][nd][2 * half] * inv, acc_o[0][nd][2 * half + 1] * inv);
-    if (t == 0 && m0 + r < p.lq) p.lse[(int64_t(b) * p.h + h) * p.lq + m0 + r] = lse;
-  }
-  named_barrier(1 + wg, 128);
-  Element* o = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-  constexpr int kChunks = Tr::kHeadDim / 8;
 #pragma unroll
-  for (int i = 0; i < 64 * kChunks / 128; ++i) {
-    const int idx = i * 128 + tid;
-    const int r = wg * 64 + idx / kChunks, c = idx % kChunks;
-    if (m0 + r < p.lq && c * 8 < p.dv) {
-      *reinterpret_cast<uint4*>(o + int64_t(m0 + r) * p.o_row_stride + c * 8) =
-          *reinterpret_cast<const uint4*>(smem_q + o_offset(r, c));
+      for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
+    auto& o_flat = reinterpret_cast<float(&)[kDTiles * 4]>(acc_o);
+    float sc[1][kNTiles][4];
+    auto& s_flat = reinterpret_cast<float(&)[kNTiles * 4]>(sc);
+    uint32_t pa[1][kBlockN / 16][4];
+    auto& pa_flat = reinterpret_cast<uint32_t(&)[kBlockN / 4]>(pa);
+
+    // S = Q K^T of tile it: kHeadDim / 16 wgmmas of K = 16, both operands K-major. Within a
+    // 128-byte swizzle row a K step of 16 elements is +32 bytes of start address. Committed as
+    // one group, not waited for.
+    auto issue_qk = [&](int it) {
+      const int s = (kv + it) % kStages;
+      mbar_wait(bar_k_full + 8 * s, ((kv + it) / kStages) & 1);
+      wgmma_fence();
+      static_for<Tr::kHeadDim / 16>([&](auto kk_) {
+        constexpr int kk = decltype(kk_)::value;
+        constexpr uint32_t off = (kk % 4) * 32;
+        const uint64_t da = sw128_desc(q_rows + (kk / 4) * Tr::kQColBytes + off, 16, 1024);
+        const uint64_t db = sw128_desc(sK + s * Tr::kKVBytes + (kk / 4) * Tr::kKVColBytes + off, 16, 1024);
+        Wgmma<Tr::kDtype, kBlockN>::ss(s_flat, da, db, kk > 0 ? 1 : 0);
+      });
+      wgmma_commit();
+    };
+    // O += P V of tile it: kBlockN / 16 wgmmas of K = 16 keys; V is MN-major (head dim
+    // contiguous): 16 keys are 16 rows (2048 bytes) of every column block, column blocks
+    // kKVColBytes apart.
+    auto issue_pv = [&](int it) {
+      const int s = (kv + it) % kStages;
+      mbar_wait(bar_v_full + 8 * s, ((kv + it) / kStages) & 1);
+      wgmma_fence();
+      static_for<kBlockN / 16>([&](auto kk_) {
+        constexpr int kk = decltype(kk_)::value;
+        const uint64_t db = sw128_desc(sV + s * Tr::kKVBytes + kk * 2048, Tr::kKVColBytes, 1024);
+        Wgmma<Tr::kDtype, Tr::kHeadDim>::rs(o_flat, pa[0][kk], db);
+      });
+      wgmma_commit();
+    };
+    auto release = [&](uint32_t bar, int it) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar + 8 * ((kv + it) % kStages));
+    };
+    // Ping-pong (two consumers): warpgroup w issues its GEMMs after named barrier 5 + w, which
+    // the other warpgroup arrives at after issuing its own. Round r of each warpgroup is its r-th
+    // issue of this tile; warpgroup 1 skips its last arrival so that no arrival is left unmatched.
+    const int rounds = n_tiles > 0 ? n_tiles + 1 : 0;
+    auto turn_begin = [&]() {
+      if (pingpong) named_barrier(5 + wg, 256);
+    };
+    auto turn_end = [&](int round) {
+      if (pingpong && (wg == 0 || round + 1 < rounds)) named_barrier_arrive(5 + (1 - wg), 256);
+    };
+    if (pingpong && wg == 1 && rounds > 0) named_barrier_arrive(5, 256);
+
+    if (n_tiles > 0) {
+      mbar_wait(bar_q_full, qn & 1);
+      turn_begin();
+      issue_qk(0);
+      turn_end(0);
+      wgmma_wait<0>();
+      fence_regs(s_flat);
+      release(bar_k_empty, 0);
+      float alpha[1][2];
+      scale_and_mask<kBlockN>(sc, tiles, 0, row_base, t, p.scale_log2);
+      online_softmax(sc, row_max, row_sum, alpha);  // O is still zero: nothing to rescale
+      pack_p<Tr::kDtype>(sc, pa);
+    }
+    // Steady state: the GEMMs of S(it) and of O += P(it - 1) V(it - 1) are in flight together;
+    // the softmax of S(it) runs while the tensor cores finish the second.
+    for (int it = 1; it < n_tiles; ++it) {
+      turn_begin();
+      issue_qk(it);
+      issue_pv(it - 1);
+      turn_end(it);
+      wgmma_wait<1>();
+      fence_regs(s_flat);
+      release(bar_k_empty, it);
+      float alpha[1][2];
+      scale_and_mask<kBlockN>(sc, tiles, it, row_base, t, p.scale_log2);
+      online_softmax(sc, row_max, row_sum, alpha);
+      wgmma_wait<0>();
+      fence_regs(o_flat);
+      fence_regs(pa_flat);
+      release(bar_v_empty, it - 1);
+      rescale_o(acc_o, alpha);
+      pack_p<Tr::kDtype>(sc, pa);
+    }
+    if (n_tiles > 0) {
+      turn_begin();
+      issue_pv(n_tiles - 1);
+      turn_end(n_tiles);
+      wgmma_wait<0>();
+      fence_regs(o_flat);
+      fence_regs(pa_flat);
+      release(bar_v_empty, n_tiles - 1);
+      if (lane == 0) mbar_arrive(bar_q_empty);  // every Q K^T of this tile is done: the next Q may land
+      kv += n_tiles;
+      ++qn;
+    }
+
+    // Epilogue: O / l through this warpgroup's rows of the staging buffer (128-byte swizzled),
+    // then 16-byte coalesced stores; LSE. The first barrier keeps the previous tile's stores
+    // (reads of the buffer) ahead of these writes.
+    auto o_offset = [](int r, int chunk) {  // r: row of the tile, chunk: 16-byte column chunk
+      return (chunk / 8) * Tr::kQColBytes + r * 128 + (((chunk % 8) ^ (r % 8)) * 16);
+    };
+    named_barrier(1 + wg, 128);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float lse;
+      const float inv = finish_row(row_max[0][half], row_sum[0][half], lse);
+      const int r = wg * 64 + warp * 16 + g + half * 8;
+#pragma unroll
+      for (int nd = 0; nd < kDTiles; ++nd)
+        *reinterpret_cast<uint32_t*>(smem_o + o_offset(r, nd) + t * 4) =
+            pack2<Tr::kDtype>(acc_o[0][nd][2 * half] * inv, acc_o[0][nd][2 * half + 1] * inv);
+      if (t == 0 && m0 + r < p.lq) p.lse[(int64_t(b) * p.h + h) * p.lq + m0 + r] = lse;
+    }
+    named_barrier(1 + wg, 128);
+    Element* o = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+    constexpr int kChunks = Tr::kHeadDim / 8;
+#pragma unroll
+    for (int i = 0; i < 64 * kChunks / 128; ++i) {
+      const int idx = i * 128 + tid;
+      const int r = wg * 64 + idx / kChunks, c = idx % kChunks;
+      if (m0 + r < p.lq && c * 8 < p.dv) {
+        *reinterpret_cast<uint4*>(o + int64_t(m0 + r) * p.o_row_stride + c * 8) =
+            *reinterpret_cast<const uint4*>(smem_o + o_offset(r, c));
+      }
     }
   }
 #else
@@ -259,11 +310,19 @@ namespace sparse_attn {
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream) {
   using Tr = cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant>;
-  const int64_t grid = num_ctas<Tr::kBlockM>(params);
-  if (grid == 0) return cudaSuccess;
-  if (grid > INT_MAX) return cudaErrorInvalidConfiguration;
+  const int64_t tiles = num_ctas<Tr::kBlockM>(params);
+  if (tiles == 0) return cudaSuccess;
+  // One CTA per tile: the hardware's dynamic CTA dispatch balanced causal and block-sparse work
+  // better than a static persistent schedule (docs/PERF_LOG.md); the kernel's tile loop also
+  // runs a persistent grid.
+  if (tiles > INT_MAX) return cudaErrorInvalidConfiguration;
+  const int grid = int(tiles);
   cuda::FlashSm90Params P;
   P.p = params;
+  // Ping-pong pays at short and medium key lengths (+4-11% at 1k-4k keys) and costs 3-6% at 16k
+  // (docs/PERF_LOG.md); SPARSE_ATTN_SM90_PINGPONG=0/1 overrides, for A/B timing.
+  const char* pp = std::getenv("SPARSE_ATTN_SM90_PINGPONG");
+  P.pingpong = pp != nullptr ? pp[0] != '0' : params.lk <= 8192;
   const int elem = 2;
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_q, params.q, elem, params.d, params.lq, params.h, params.b, params.q_row_stride,
                               params.q_head_stride, params.q_batch_stride, Tr::kBlockM));
@@ -273,7 +332,7 @@ cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream
                               params.v_row_stride, params.v_head_stride, params.v_batch_stride, Tr::kBlockN));
   auto kernel = cuda::flash_fwd_sm90_kernel<Tr>;
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  kernel<<<unsigned(grid), Tr::kNThreads, Tr::kSmemBytes, stream>>>(P);
+  kernel<<<grid, Tr::kNThreads, Tr::kSmemBytes, stream>>>(P);
   return cudaGetLastError();
 }
 

@@ -95,6 +95,10 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // wgmma shared-memory matrix descriptor for a 128-byte-swizzled operand: start address, leading
 // and stride byte offsets (K-major: stride = bytes between 8-row groups, leading unused; MN-major:
 // leading = bytes between 64-element column blocks, stride = bytes between 8-row groups).
