@@ -12,6 +12,7 @@ import torch
 from . import (
     _C,  # noqa: F401  (registers the sparse_attn::* ops)
     _meta,  # noqa: F401  (fake kernels and autograd registrations)
+    analysis,
     patterns,
     reference,
 )
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockSparseMask",
+    "analysis",
     "block_sparse_attention",
     "cuda_kernels_available",
     "dense_attention",

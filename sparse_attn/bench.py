@@ -150,6 +150,10 @@ def flex_fn(device: torch.device):
 
         if device.type != "cuda":  # eager on purpose: compiling on the CPU takes minutes
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        if device.type == "cuda":
+            # One compile per shape and mask; past dynamo's default of 8 it would fall back to the
+            # eager path, which materialises the scores (and runs out of memory at long lengths).
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         _FLEX[device.type] = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
     return _FLEX[device.type]
 

@@ -5,17 +5,27 @@ Every pattern is defined by an element predicate over query position ``i`` and k
 
     mask = patterns.sliding_window(L, 256) | patterns.global_tokens(L, [0, 1, 2, 3])
 
-Construction never materialises an L x L tensor: candidate blocks come from the pattern's
-geometry, and element bits are evaluated once per distinct block shape (a band's blocks depend
-only on their diagonal offset and on how much of them lies inside the sequences, so a causal mask of
-any length needs a few partial blocks, one more for a ragged tail).
+Construction never materialises an L x L tensor: element bits are evaluated once per distinct
+block (a band's blocks depend only on their diagonal offset and on how much of them lies inside the
+sequences, so a causal mask of any length needs a few partial blocks, one more for a ragged tail).
+
+With equal query and key blocks (the default) no pattern synchronises the host with the device
+(``causal(compact=True)`` aside), and each runs the same dozen device operations at any length: the
+distinct blocks are enumerated and their bits packed on the host, and the block table is one lookup
+on the device (see "square blocks" below). The host work is cached per set of arguments, so
+rebuilding a pattern is one copy and the device operations. Under ``torch.compile`` or CUDA graph
+capture, ``causal`` and ``sliding_window`` take a form built from torch operations alone. Mixed
+block sizes take a generic path that synchronises.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .masks import _FULL, _NONE, BlockSparseMask, _check_block_size, _pair, pack_bits
@@ -123,33 +133,326 @@ def _band(seq_lengths, block_size, device, lo: int, hi: int, pred=None) -> Block
     return _build(seq_lengths, block_size, device, cand, lambda i0, j0: i0 - j0, allowed)
 
 
-def causal(
-    lq: int, lk: int, *, block_size: int | tuple[int, int] = 128, device=None, compact: bool = True
-) -> BlockSparseMask:
-    """Bottom-right aligned causal mask: query i sees key j iff j <= i + (Lk - Lq).
+# ------------------------------------------------------------------------------------ square blocks
+# With q_block == kv_block every builder below runs without a host-device synchronisation and with
+# a fixed number of device operations (about a dozen, whatever the length). The bits of block
+# (qb, kb) depend only on a few small attributes: its diagonal (a band's d = i - j ranges over
+# t + r - c, t = (qb - kb) * bs) or, for dilated_2d, its segment offset; how many of its rows and
+# columns lie inside the sequences; which of its rows and columns are global tokens. Each takes a
+# handful of values, so the distinct blocks (classes) are enumerated on the host, their bits
+# computed from the element predicate and packed there, and the (nQb, nKb) block table on the
+# device is one lookup into the classes' states. On the host a block's bits are "block words": its
+# packed int32 words (row-major, as pack_bits stores them) two to an int64, (bs * bs // 64,), so
+# that the bitwise work and comparisons touch few numbers. The host work (a "plan": numpy, O(nQb + nKb),
+# plus the row counts that give the width of kv_indices) is cached per set of arguments, so a
+# pattern rebuilt with the same arguments costs one copy to the device and the device ops.
 
-    With equal query and key blocks the mask is built arithmetically, with no device
-    synchronisation and no data-dependent shapes (so it can run under ``torch.compile`` or CUDA
-    graph capture) when ``compact=False``; ``compact=True`` (default) also merges identical partial
-    blocks, which needs one synchronisation.
+_LUT_MAX = 1 << 16  # entries of a one-step lookup table; beyond it the table takes two lookups
 
-    Examples
-    --------
-    >>> from sparse_attn import patterns
-    >>> patterns.causal(1024, 1024).density()  # doctest: +ELLIPSIS
-    0.56...
-    """
-    lq, lk = _lengths(lq, lk)
+
+class _Band(NamedTuple):
+    """A predicate of d = i - j alone, described so that blocks can be grouped by their diagonal."""
+
+    pred: Callable[[np.ndarray], np.ndarray]  # int64 d -> bool
+    changes: tuple[int, ...]  # ascending; pred's regime differs between d - 1 and d
+    periods: tuple[int, ...]  # period of pred in each of the len(changes) + 1 regions (0: constant)
+
+
+def _interval(lo: int, hi: int | None) -> _Band:
+    """The band lo <= d <= hi (hi None: unbounded)."""
+    top = _BIG if hi is None else hi
+    changes = (lo,) if hi is None else (lo, hi + 1)
+    return _Band(lambda d: (d >= lo) & (d <= top), changes, (0,) * (len(changes) + 1))
+
+
+def _device(device) -> torch.device:
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _square(block_size: int | tuple[int, int]) -> int | None:
+    """The block size when query and key blocks are equal (after checking both), else None."""
     bq, bk = _pair(block_size)
-    if bq != bk:
-        return _band((lq, lk), (bq, bk), device, lo=-(lk - lq), hi=_BIG)
     _check_block_size((bq, bk))
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    return _band_square(lq, lk, bq, -(lk - lq), None, dev, compact)
+    return bq if bq == bk else None
+
+
+def _pack(bits: np.ndarray) -> np.ndarray:
+    """(..., K) bool -> (..., K // 32) int32, bit ``c % 32`` of word ``c // 32`` (as ``pack_bits``)."""
+    return np.packbits(bits, axis=-1, bitorder="little").view("<i4").astype(np.int32, copy=False)
+
+
+def _classes(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first, inverse) of the distinct values of ``key`` (n >= 1,) int64 >= 0: a representative
+    index and the class of each entry, classes numbered in increasing key order."""
+    if int(key.max()) > 4 * key.size + 1024:  # wide range: sort
+        first, inverse = np.unique(key, return_index=True, return_inverse=True)[1:]
+        return first, inverse.ravel()
+    seen = np.zeros(int(key.max()) + 1, dtype=np.int64)
+    seen[key] = 1
+    ids = np.cumsum(seen) - 1
+    inverse = ids[key]
+    first = np.empty(int(ids[-1]) + 1, dtype=np.int64)
+    first[inverse] = np.arange(key.size)
+    return first, inverse
+
+
+def _empty(lq: int, lk: int, bs: int, dev: torch.device, heads: int = 1) -> BlockSparseMask:
+    nq, nk = math.ceil(lq / bs), math.ceil(lk / bs)
+    table = torch.full((1, heads, nq, nk), _NONE, dtype=torch.int32, device=dev)
+    bits = torch.zeros(0, bs, bs // 32, dtype=torch.int32, device=dev)
+    return BlockSparseMask._from_table(table, bits, (lq, lk), (bs, bs), max_kv_blocks=0, compact=False)
+
+
+def _block_classes(length: int, bs: int, global_idx: np.ndarray | None = None):
+    """Classes of the (n >= 1) blocks of one sequence, query or key side: blocks of a class have the
+    same number of positions in range and the same global tokens.
+
+    Returns ``cls`` (n,) int64, and per class ``inside`` (C,) int64 (positions in range) and
+    ``is_global`` (C, bs) bool. Only the last block (when ragged) and the blocks holding global
+    tokens (``global_idx`` sorted, distinct) are looked at: the others are plain blocks.
+    """
+    n = -(-length // bs)
+    tail = length - (n - 1) * bs
+    if global_idx is None or global_idx.size == 0:
+        cls = np.zeros(n, dtype=np.int64)
+        if tail == bs:
+            return cls, np.array([bs]), np.zeros((1, bs), dtype=bool)
+        cls[-1] = 1
+        return cls, np.array([bs, tail]), np.zeros((2, bs), dtype=bool)
+    blocks = global_idx // bs
+    special = blocks[np.diff(blocks, prepend=-1) != 0]
+    if special[-1] != n - 1:
+        special = np.append(special, n - 1)
+    # Rows 0..len(special)-1: the special blocks; the last row: a plain block.
+    pattern = np.zeros((special.size + 1, bs), dtype=bool)
+    pattern[np.searchsorted(special, blocks), global_idx % bs] = True
+    inside = np.append(np.minimum(length - special * bs, bs), bs)
+    classes: dict = {}
+    inverse = np.empty(special.size + 1, dtype=np.int64)
+    for x, key in enumerate(zip(map(bytes, np.packbits(pattern, axis=-1)), inside.tolist(), strict=True)):
+        inverse[x] = classes.setdefault(key, len(classes))
+    first = np.empty(len(classes), dtype=np.int64)
+    first[inverse[::-1]] = np.arange(special.size, -1, -1)
+    cls = np.full(n, inverse[-1], dtype=np.int64)
+    cls[special] = inverse[:-1]
+    return cls, inside[first], pattern[first]
+
+
+def _diag_classes(nq: int, nk: int, bs: int, band: _Band | None):
+    """Classes of the block diagonals m = qb - kb in [-(nk - 1), nq - 1]: blocks on the diagonals of a
+    class hold the same band bits (before they are cut to the sequences).
+
+    A block on diagonal m holds d = t + r - c, t = m * bs, so |d - t| < bs. Where that range lies in
+    one region of the predicate, the bits depend only on t mod the region's period (on nothing if
+    it is constant); where it straddles a change of regime at b, i.e. b - bs < t - (bs - 1) and
+    t + (bs - 1) >= b (at most two diagonals per change), the diagonal is a class alone.
+
+    Returns ``cls`` (nq + nk - 1,) int64 indexed by m + nk - 1, and the classes' block words
+    (K, bs * bs // 64). No band: one class, no bits.
+    """
+    size, m0 = nq + nk - 1, -(nk - 1)
+    if band is None:
+        return np.zeros(size, dtype=np.int64), np.zeros((1, bs * bs // 64), dtype=np.int64)
+    cls = np.empty(size, dtype=np.int64)
+    reps: list[int] = []  # each class's first diagonal, as m + nk - 1
+    start = 0
+    for region, period in enumerate(band.periods):
+        end, after = size, size
+        if region < len(band.changes):
+            b = band.changes[region]
+            # Diagonals straddling b: b - bs + 1 <= m * bs <= b + bs - 2.
+            end = min(max(-((bs - 1 - b) // bs) - m0, start), size)
+            after = min(max((b + bs - 2) // bs + 1 - m0, end), size)
+        if end > start:
+            runs = min(period // math.gcd(period, bs), end - start) if period else 1
+            cls[start:end] = len(reps) + np.arange(end - start) % runs if runs > 1 else len(reps)
+            reps += range(start, start + runs)
+        cls[end:after] = np.arange(len(reps), len(reps) + after - end)
+        reps += range(end, after)
+        start = after
+    t = (np.array(reps) + m0) * bs
+    return cls, _toeplitz_words(band.pred(t[:, None] + _d_offsets(bs)), bs)
+
+
+@functools.cache
+def _d_offsets(bs: int) -> np.ndarray:
+    """d - t where a block's d range is read by _toeplitz_words: bs - 1 down to -(bs + 64) (the
+    last 65 entries pad the reads of the final words; they never land in a word)."""
+    return np.arange(bs - 1, -bs - 65, -1)
+
+
+@functools.cache
+def _toeplitz_reads(bs: int):
+    """Where word w of row r of a block starts in the bits of its d range (see _toeplitz_words):
+    at bit x = bs - 1 - r + 32 w, i.e. uint64 word x // 64 shifted right by x % 64."""
+    x = (bs - 1 - np.arange(bs))[:, None] + 32 * np.arange(bs // 32)
+    shift = (x % 64).astype(np.uint64)
+    return x // 64, x // 64 + 1, shift, np.uint64(63) - shift
+
+
+def _toeplitz_words(bits: np.ndarray, bs: int) -> np.ndarray:
+    """(K, 2 bs + 64) bool, entry bs - 1 - r + c the bit of element (r, c) (d = t + r - c, from
+    ``_d_offsets``) -> the blocks' words (K, bs * bs // 64). Rows are shifted windows of one bit
+    string, so the words are read out of it by 64-bit shifts instead of packing K x bs x bs bits."""
+    string = np.packbits(bits, axis=-1, bitorder="little").view("<u8")
+    lo, hi, shift, back = _toeplitz_reads(bs)
+    words = (string[:, lo] >> shift) | ((string[:, hi] << np.uint64(1)) << back)
+    return (words & np.uint64(0xFFFFFFFF)).astype(np.uint32, order="C").reshape(bits.shape[0], -1).view(np.int64)
+
+
+def _in_range(rows, cols, bs: int):
+    """Per row class, its rows in range as a mask (R, .) of -1 or 0 (an int64 word never straddles
+    two rows); per column class, its columns in range (C, .); and a full block of each (row class,
+    column class), (R, C, .). All in block words."""
+    r = np.arange(bs)
+    row_in = -np.repeat(r < rows[1][:, None], bs // 64, axis=1).astype(np.int64)
+    col_in = np.tile(_pack(r < cols[1][:, None]).view(np.int64), bs)
+    return row_in, col_in, row_in[:, None] & col_in
+
+
+def _band_global_bits(band_bits: np.ndarray, rows, cols, bs: int):
+    """Words (Kd, R, C, .) of each (diagonal class, row class, column class): band or row global or
+    column global, cut to the positions in range; and those of full blocks (R, C, .)."""
+    row_in, col_in, full = _in_range(rows, cols, bs)
+    band = band_bits[:, None]
+    if cols[2].any():
+        band = band | np.tile(_pack(cols[2]).view(np.int64), bs)
+    words = (band & col_in)[:, None] & row_in[:, None]  # (Kd, R, C, .)
+    if rows[2].any():
+        words = words | (-np.repeat(rows[2], bs // 64, axis=1).astype(np.int64))[:, None] & full
+    return words, full
+
+
+def _classify(words: np.ndarray, full: np.ndarray, bs: int):
+    """State of each class (int32: ``_NONE``, ``_FULL`` or a row of the returned bits) from its words
+    (..., bs * bs // 64) int64 and those of a full block of it; and the bits (P, bs, bs // 32) int32
+    of the partial classes."""
+    is_full = (words == full).all(-1)
+    is_none = ~words.any(-1)
+    partial = ~is_full & ~is_none
+    row = np.cumsum(partial.ravel()).reshape(partial.shape) - 1
+    state = np.where(is_full, _FULL, np.where(partial, row, _NONE)).astype(np.int32)
+    return state, words[partial].view(np.int32).reshape(-1, bs, bs // 32)
+
+
+_PLANS = 64  # host plans kept
+
+
+class _Plan(NamedTuple):
+    """Everything the device needs to build one mask, in one int32 buffer (never written: plans are
+    cached and shared)."""
+
+    seq_lengths: tuple[int, int]
+    bs: int
+    heads: int
+    width: int  # the widest row: the width of kv_indices
+    two_step: bool  # the table takes two lookups
+    buffer: np.ndarray
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, random=None) -> _Plan:
+    """Plan of the block table ``state[diag_cls[coord_q[qb] + coord_k[kb]], rows[qb], cols[kb]]``
+    (``coord``: the diagonal's coordinate split into a query and a key part), with the partial
+    blocks' ``bits``, each row's number of key blocks ``counts`` (H|1, nq), and full random key
+    blocks ``random`` (H, nq, k) or None. One lookup step unless its table would exceed
+    ``_LUT_MAX`` entries."""
+    kd, nr, nc = state.shape
+    rc = nr * nc
+    if kd == 1:
+        lut = [state.ravel(), rows * nc, cols]
+    elif diag_cls.size * rc <= _LUT_MAX:
+        lut = [state[diag_cls].ravel(), coord[0] * rc + rows * nc, coord[1] * rc + cols]
+    else:
+        lut = [state.ravel(), rows * nc, cols, diag_cls * rc, coord[0], coord[1]]
+    arrays = [*lut, bits, counts, np.arange(cols.size)] + ([] if random is None else [random])
+    buffer = np.concatenate([x.ravel() for x in arrays]).astype(np.int32)
+    shapes = tuple(x.shape for x in arrays)
+    return _Plan(lengths, bs, counts.shape[0], int(counts.max()), len(lut) == 6, buffer, shapes)
+
+
+def _realise(plan: _Plan, dev: torch.device, compact: bool = False) -> BlockSparseMask:
+    """The mask of a plan on ``dev``: one host-to-device copy and about a dozen device ops, none of
+    which waits for the device (``compact`` merges identical partial blocks: one sync)."""
+    flat = torch.from_numpy(plan.buffer)
+    flat = flat.to(dev, non_blocking=True) if dev.type != "cpu" else flat.clone()
+    sizes = [math.prod(s) for s in plan.shapes]
+    parts = [x.view(s) for x, s in zip(flat.split(sizes), plan.shapes, strict=True)]
+    if plan.two_step:
+        lut, a, b, diag_lut, ca, cb, bits, counts, positions, *random = parts
+        table = lut[diag_lut[ca[:, None] + cb] + (a[:, None] + b)]
+    else:
+        lut, a, b, bits, counts, positions, *random = parts
+        table = lut[a[:, None] + b]
+    nq, nk = table.shape
+    table = table[None, None]
+    if random:
+        if plan.heads > 1:
+            table = table.expand(1, plan.heads, nq, nk).clone()
+        table.scatter_(-1, random[0].long()[None], _FULL)
+    lengths, block_size = plan.seq_lengths, (plan.bs, plan.bs)
+    if compact:
+        return BlockSparseMask._from_table(table, bits, lengths, block_size, max_kv_blocks=plan.width)
+    # As BlockSparseMask._from_table, with the row counts and the width from the host.
+    pos = torch.where(table != _NONE, positions, nk).sort(-1).values[..., : plan.width]
+    live = pos < nk
+    idx = torch.where(live, pos, 0)
+    part = torch.where(live, table.gather(-1, idx.long()), _FULL)
+    return BlockSparseMask(counts[None], idx, part, bits, seq_lengths=lengths, block_size=block_size, validate=False)
+
+
+def _clear_plans() -> None:
+    """Forget the cached host plans (to time or test the whole build)."""
+    for cached in (_band_plan, _union_plan, _dilated_2d_plan):
+        cached.cache_clear()
+
+
+def _band_counts(state, diag_cls, rows_cls, cols_cls, nq: int, nk: int) -> np.ndarray:
+    """(nq,) key blocks listed by each query block of a band-only mask (no global tokens), by prefix
+    sums along the diagonals. Key blocks kb < nk - 1 share one class; the last may differ."""
+    listed = (state != _NONE)[diag_cls]  # (nq + nk - 1, R, C), by m + nk - 1
+    plain, last = listed[:, :, cols_cls[0]], listed[:, :, cols_cls[-1]]
+    prefix = np.concatenate([np.zeros((1, plain.shape[1]), dtype=np.int64), np.cumsum(plain, 0)])
+    q = np.arange(nq)
+    # Row qb: key blocks 0..nk-2 lie at m + nk - 1 = qb + nk - 1 .. qb + 1, key block nk - 1 at qb.
+    return prefix[q + nk, rows_cls] - prefix[q + 1, rows_cls] + last[q, rows_cls]
+
+
+def _band_of(kind: str, a: int, b: int | None) -> _Band:
+    """The d = i - j predicate of a band pattern, from hashable arguments (plans are cached by them)."""
+    if kind == "interval":  # a <= d <= b (b None: unbounded)
+        return _interval(a, b)
+    if kind == "dilated":  # |d| < a and d % b == 0
+        return _Band(lambda d: (abs(d) < a) & (d % b == 0), (-(a - 1), a), (0, b, 0))
+    # strided: |d| < b or d % a == 0
+    return _Band(lambda d: (abs(d) < b) | (d % a == 0), (-(b - 1), b), (a, 0, a))
+
+
+@functools.lru_cache(maxsize=_PLANS)
+def _band_plan(lq: int, lk: int, bs: int, band: tuple) -> _Plan:
+    nq, nk = math.ceil(lq / bs), math.ceil(lk / bs)
+    rows, cols = _block_classes(lq, bs), _block_classes(lk, bs)
+    diag_cls, band_bits = _diag_classes(nq, nk, bs, _band_of(*band))
+    state, bits = _classify(*_band_global_bits(band_bits, rows, cols, bs), bs)
+    counts = _band_counts(state, diag_cls, rows[0], cols[0], nq, nk)
+    coord = (np.arange(nq) + (nk - 1), -np.arange(nk))
+    return _plan((lq, lk), bs, state, coord, diag_cls, rows[0], cols[0], bits, counts[None])
+
+
+def _band_mask(lq: int, lk: int, bs: int, dev: torch.device, band: tuple, compact: bool = False) -> BlockSparseMask:
+    """A pattern of d = i - j alone (``band``: arguments of ``_band_of``) with bs x bs blocks."""
+    if lq == 0 or lk == 0:
+        return _empty(lq, lk, bs, dev)
+    tracing = torch.compiler.is_compiling() or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    if tracing and band[0] == "interval":
+        return _band_square(lq, lk, bs, band[1], band[2], dev, compact)
+    return _realise(_band_plan(lq, lk, bs, band), dev, compact)
 
 
 def _band_square(lq: int, lk: int, bs: int, lo: int, hi: int | None, dev: torch.device, compact: bool):
-    """Band mask lo <= i - j <= hi (hi None: unbounded) with bs x bs blocks, built arithmetically.
+    """Band mask lo <= i - j <= hi (hi None: unbounded) with bs x bs blocks, built arithmetically
+    from torch ops alone: the form of ``_band_mask`` that torch.compile can trace and a CUDA graph
+    can capture (it copies no host array), at about ten times its device ops.
 
     Block (qb, kb) holds d = i - j = t + r - c with t = (qb - kb) * bs, inside its rq x ck in-range
     region (rq, ck < bs only for the ragged last block row / column). It is full iff
@@ -201,6 +504,78 @@ def _band_square(lq: int, lk: int, bs: int, lo: int, hi: int | None, dev: torch.
     )
 
 
+def _global_idx(seq_len: int, global_idx: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    """Sorted distinct global tokens (a device tensor is copied to the host: one sync)."""
+    if isinstance(global_idx, torch.Tensor):
+        idx = global_idx.detach().to("cpu", torch.int64).numpy().ravel()
+    else:
+        idx = np.asarray(global_idx, dtype=np.int64).ravel()
+    if idx.size and (idx.min() < 0 or idx.max() >= seq_len):
+        raise ValueError(f"global_idx must lie in [0, {seq_len}), got values in [{idx.min()}, {idx.max()}]")
+    return tuple(np.unique(idx).tolist())
+
+
+@functools.lru_cache(maxsize=_PLANS)
+def _union_plan(seq_len: int, bs: int, window: int | None, global_idx: tuple[int, ...], random: tuple | None) -> _Plan:
+    """|i - j| < window (None: no band) or i or j a global token, plus the full random key blocks
+    ``_bigbird_random_blocks(seq_len, *random)`` of each head (``random`` None: none)."""
+    n = math.ceil(seq_len / bs)
+    idx = np.array(global_idx, dtype=np.int64)
+    blocks = _block_classes(seq_len, bs, idx)
+    diag_cls, band_bits = _diag_classes(n, n, bs, None if window is None else _interval(-(window - 1), window - 1))
+    state, bits = _classify(*_band_global_bits(band_bits, blocks, blocks, bs), bs)
+
+    # Row counts: a query block holding a global token lists every key block; another lists its
+    # band's run k0..k1 of key blocks, the key blocks holding global tokens, and its random blocks.
+    has_global = np.zeros(n, dtype=bool)
+    has_global[idx // bs] = True
+    if window is None:
+        k0, k1 = np.zeros(n, dtype=np.int64), np.full(n, -1)
+    else:
+        first = np.arange(n) * bs
+        k0 = np.maximum(first - (window - 1), 0) // bs
+        k1 = np.minimum(first + (window - 1) + bs - 1, seq_len - 1) // bs
+    prefix = np.concatenate([[0], np.cumsum(has_global)])
+    counts = ((k1 - k0 + 1) + prefix[-1] - (prefix[k1 + 1] - prefix[k0]))[None]
+    if random is not None:
+        random = _bigbird_random_blocks(seq_len, *random, (bs, bs))
+        outside = ((random < k0[:, None]) | (random > k1[:, None])) & ~has_global[random]
+        counts = counts + outside.sum(-1)
+    counts = np.where(has_global, n, counts)
+    coord = (np.arange(n) + (n - 1), -np.arange(n))
+    return _plan((seq_len, seq_len), bs, state, coord, diag_cls, blocks[0], blocks[0], bits, counts, random)
+
+
+def _union_mask(seq_len: int, bs: int, dev: torch.device, window, global_idx, random=None) -> BlockSparseMask:
+    """|i - j| < window or global tokens (or random blocks: (num_random, seed, heads)), bs x bs blocks."""
+    if seq_len == 0:
+        return _empty(0, 0, bs, dev, 1 if random is None else random[2])
+    return _realise(_union_plan(seq_len, bs, window, global_idx, random), dev)
+
+
+def causal(
+    lq: int, lk: int, *, block_size: int | tuple[int, int] = 128, device=None, compact: bool = True
+) -> BlockSparseMask:
+    """Bottom-right aligned causal mask: query i sees key j iff j <= i + (Lk - Lq).
+
+    With equal query and key blocks the mask is built arithmetically, with no device
+    synchronisation and no data-dependent shapes (so it can run under ``torch.compile`` or CUDA
+    graph capture) when ``compact=False``; ``compact=True`` (default) also merges identical partial
+    blocks, which needs one synchronisation.
+
+    Examples
+    --------
+    >>> from sparse_attn import patterns
+    >>> patterns.causal(1024, 1024).density()  # doctest: +ELLIPSIS
+    0.56...
+    """
+    lq, lk = _lengths(lq, lk)
+    bs = _square(block_size)
+    if bs is None:
+        return _band((lq, lk), block_size, device, lo=-(lk - lq), hi=_BIG)
+    return _band_mask(lq, lk, bs, _device(device), ("interval", -(lk - lq), None), compact=compact)
+
+
 def sliding_window(
     seq_len: int, window: int, *, causal: bool = False, block_size: int | tuple[int, int] = 128, device=None
 ) -> BlockSparseMask:
@@ -208,12 +583,10 @@ def sliding_window(
     seq_len = _positive("seq_len", seq_len, 0)
     window = _positive("window", window)
     lo = 0 if causal else -(window - 1)
-    bq, bk = _pair(block_size)
-    if bq == bk:
-        _check_block_size((bq, bk))
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        return _band_square(seq_len, seq_len, bq, lo, window - 1, dev, compact=False)
-    return _band((seq_len, seq_len), block_size, device, lo=lo, hi=window - 1)
+    bs = _square(block_size)
+    if bs is None:
+        return _band((seq_len, seq_len), block_size, device, lo=lo, hi=window - 1)
+    return _band_mask(seq_len, seq_len, bs, _device(device), ("interval", lo, window - 1))
 
 
 def dilated(
@@ -223,9 +596,12 @@ def dilated(
     seq_len = _positive("seq_len", seq_len, 0)
     window = _positive("window", window)
     dilation = _positive("dilation", dilation)
-    return _band(
-        (seq_len, seq_len), block_size, device, lo=-(window - 1), hi=window - 1, pred=lambda d: d % dilation == 0
-    )
+    bs = _square(block_size)
+    if bs is None:
+        return _band(
+            (seq_len, seq_len), block_size, device, lo=-(window - 1), hi=window - 1, pred=lambda d: d % dilation == 0
+        )
+    return _band_mask(seq_len, seq_len, bs, _device(device), ("dilated", window, dilation))
 
 
 def strided(
@@ -235,14 +611,17 @@ def strided(
     seq_len = _positive("seq_len", seq_len, 0)
     stride = _positive("stride", stride)
     local = _positive("local", local)
-    return _band(
-        (seq_len, seq_len),
-        block_size,
-        device,
-        lo=-_BIG,
-        hi=_BIG,
-        pred=lambda d: (d.abs() < local) | (d % stride == 0),
-    )
+    bs = _square(block_size)
+    if bs is None:
+        return _band(
+            (seq_len, seq_len),
+            block_size,
+            device,
+            lo=-_BIG,
+            hi=_BIG,
+            pred=lambda d: (d.abs() < local) | (d % stride == 0),
+        )
+    return _band_mask(seq_len, seq_len, bs, _device(device), ("strided", stride, local))
 
 
 def dilated_2d(
@@ -253,6 +632,11 @@ def dilated_2d(
     seq_len = _positive("seq_len", seq_len, 0)
     segment = _positive("segment", segment)
     dilation = _positive("dilation", dilation)
+    bs = _square(block_size)
+    if bs is not None:
+        if seq_len == 0:
+            return _empty(0, 0, bs, _device(device))
+        return _realise(_dilated_2d_plan(seq_len, segment, dilation, bs), _device(device))
     bq, bk = _pair(block_size)
 
     def cand(i0, j0):
@@ -268,6 +652,52 @@ def dilated_2d(
     return _build((seq_len, seq_len), block_size, device, cand, key, allowed)
 
 
+@functools.lru_cache(maxsize=_PLANS)
+def _dilated_2d_plan(seq_len: int, segment: int, dilation: int, bs: int) -> _Plan:
+    """dilated_2d with bs x bs blocks (seq_len > 0).
+
+    Block b starts at b * bs = s0 * segment + u. Its row r lies in segment s0 + f[r] with
+    f[r] = (u + r) // segment, and is active iff ((u + r) % segment) % dilation == 0. So block
+    (qb, kb) allows (r, c) iff both are active and f_q[r] - f_k[c] = s0(kb) - s0(qb) =: delta: its
+    bits depend on delta, small for any block holding an allowed pair, and on the classes of qb
+    and kb (u; when the block stays in one segment only its first active row
+    min((-u) % dilation, bs) matters; the ragged last block is a class alone)."""
+    n = math.ceil(seq_len / bs)
+    start = np.arange(n) * bs
+    u, s0 = start % segment, start // segment
+    inside = np.minimum(seq_len - start, bs)
+    key = np.where(u + bs > segment, bs + 1 + u, np.minimum((-u) % dilation, bs))
+    key += (inside < bs) * (bs + 1 + segment)
+    first, cls = _classes(key)
+    r = np.arange(bs)
+    pos = u[first][:, None] + r  # (K, bs)
+    f = pos // segment
+    active = ((pos % segment) % dilation == 0) & (r < inside[first][:, None])
+    span = int(f.max())
+    # cols[g, q]: packed columns of class q that are active and lie at segment offset g.
+    cols = _pack(active & (f == np.arange(span + 1)[:, None, None]))
+    g = f - np.arange(-span, span + 1)[:, None, None]  # (2 span + 1, K, bs): offset row r needs
+    ok = active & (g >= 0) & (g <= span)
+    words = np.where(ok[:, :, None, :, None], cols[np.clip(g, 0, span)].transpose(0, 1, 3, 2, 4), 0)
+    words = np.concatenate([words, np.zeros_like(words[:1])])  # last class: |delta| > span
+    words = np.ascontiguousarray(words).reshape(*words.shape[:3], -1).view(np.int64)
+    classes = (cls, inside[first], None)
+    state, bits = _classify(words, _in_range(classes, classes, bs)[2], bs)
+
+    # delta as a coordinate: s0(kb) - s0(qb) + s_max in [0, 2 s_max].
+    s_max = int(s0[-1])
+    z = np.arange(-s_max, s_max + 1)
+    diag_cls = np.where(abs(z) <= span, z + span, 2 * span + 1)
+
+    # Row counts: the key blocks starting in segment s0(qb) + delta, by class, where listed.
+    per_segment = np.zeros((s_max + 1 + 2 * span, first.size), dtype=np.int64)
+    np.add.at(per_segment, (s0 + span, cls), 1)
+    near = per_segment[s0[:, None] + np.arange(2 * span + 1)]  # (n, 2 span + 1, K)
+    listed = (state[: 2 * span + 1] != _NONE).transpose(1, 0, 2)[cls]  # (n, 2 span + 1, K)
+    counts = (near * listed).sum((1, 2))
+    return _plan((seq_len, seq_len), bs, state, (s_max - s0, s0), diag_cls, cls, cls, bits, counts[None])
+
+
 def global_tokens(
     seq_len: int,
     global_idx: Sequence[int] | torch.Tensor,
@@ -275,11 +705,15 @@ def global_tokens(
     block_size: int | tuple[int, int] = 128,
     device=None,
 ) -> BlockSparseMask:
-    """Global tokens: ``i in global_idx`` or ``j in global_idx`` (they see and are seen by all)."""
+    """Global tokens: ``i in global_idx`` or ``j in global_idx`` (they see and are seen by all).
+
+    Pass ``global_idx`` as a list or a CPU tensor: a device tensor has to be read back (one sync)."""
     seq_len = _positive("seq_len", seq_len, 0)
+    bs = _square(block_size)
+    if bs is not None:
+        return _union_mask(seq_len, bs, _device(device), None, _global_idx(seq_len, global_idx))
     bq, bk = _pair(block_size)
-    _check_block_size((bq, bk))
-    dev = torch.device(device) if device is not None else torch.device("cpu")
+    dev = _device(device)
     idx = torch.as_tensor(global_idx, dtype=torch.int64, device=dev).flatten()
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= seq_len):
         raise ValueError(f"global_idx must lie in [0, {seq_len}), got values in [{int(idx.min())}, {int(idx.max())}]")
@@ -313,17 +747,47 @@ def longformer(
     device=None,
 ) -> BlockSparseMask:
     """Longformer: a symmetric sliding window of half-width ``window`` plus global tokens."""
+    seq_len = _positive("seq_len", seq_len, 0)
+    window = _positive("window", window)
+    bs = _square(block_size)
+    if bs is not None:
+        return _union_mask(seq_len, bs, _device(device), window, _global_idx(seq_len, global_idx))
     return sliding_window(seq_len, window, block_size=block_size, device=device) | global_tokens(
         seq_len, global_idx, block_size=block_size, device=device
     )
 
 
-def _random_block_matrix(nq: int, nk: int, per_row: int, generator: torch.Generator, heads: int) -> torch.Tensor:
-    """(heads, nq, nk) bool with ``per_row`` distinct random key blocks per query block."""
-    per_row = min(per_row, nk)
-    scores = torch.rand(heads, nq, nk, generator=generator)
-    pick = scores.topk(per_row, dim=-1).indices
-    return torch.zeros(heads, nq, nk, dtype=torch.bool).scatter_(-1, pick, True)
+# Up to this many random blocks per row, a drawn block is checked against the earlier picks by a
+# scan; beyond it, against a bitmap of all key blocks. The draws are the same either way.
+_SCAN_MAX = 32
+
+
+def _random_key_blocks(rows: int, nk: int, num: int, generator: torch.Generator) -> np.ndarray:
+    """(rows, min(num, nk)) int64: distinct key blocks for each row, a uniform draw by Floyd's
+    algorithm vectorised over rows (min(num, nk) draws per row, no sort over all nk blocks)."""
+    k = min(num, nk)
+    if k == nk:
+        return np.broadcast_to(np.arange(nk), (rows, nk)).copy()
+    out = np.empty((rows, k), dtype=np.int64)
+    seen = np.zeros((rows, nk), dtype=bool) if k > _SCAN_MAX else None
+    every = np.arange(rows)
+    for s, j in enumerate(range(nk - k, nk)):
+        pick = torch.randint(0, j + 1, (rows,), generator=generator).numpy()
+        taken = seen[every, pick] if seen is not None else (out[:, :s] == pick[:, None]).any(-1)
+        pick = np.where(taken, j, pick)
+        out[:, s] = pick
+        if seen is not None:
+            seen[every, pick] = True
+    return out
+
+
+def _bigbird_random_blocks(
+    seq_len: int, num_random: int, seed: int, heads: int, block_size: tuple[int, int]
+) -> np.ndarray:
+    """(heads, nQb, min(num_random, nKb)) int64: the random key blocks of :func:`bigbird`."""
+    nq, nk = math.ceil(seq_len / block_size[0]), math.ceil(seq_len / block_size[1])
+    gen = torch.Generator().manual_seed(seed)
+    return _random_key_blocks(heads * nq, nk, num_random, gen).reshape(heads, nq, min(num_random, nk))
 
 
 def bigbird(
@@ -338,19 +802,30 @@ def bigbird(
     device=None,
 ) -> BlockSparseMask:
     """BigBird: sliding window ∪ the first ``num_global`` tokens as global tokens ∪
-    ``num_random`` random key blocks per query block (seeded; ``heads`` > 1 draws one set per head)."""
+    ``num_random`` random key blocks per query block (seeded; ``heads`` > 1 draws one set per head).
+
+    The random blocks are full blocks: for each head and query block, ``min(num_random, nKb)``
+    distinct key blocks drawn uniformly (Floyd's algorithm) from a CPU generator seeded with
+    ``seed``, so the same on every device. This draw replaced a top-k over nQb x nKb random scores,
+    so a seed now gives other blocks than it did before."""
     seq_len = _positive("seq_len", seq_len, 0)
+    window = _positive("window", window)
     _positive("num_global", num_global, 0)
     _positive("num_random", num_random, 0)
     heads = _positive("heads", heads)
     bq, bk = _pair(block_size)
+    _check_block_size((bq, bk))
+    if bq == bk:
+        globals_ = tuple(range(min(num_global, seq_len)))
+        random = (num_random, seed, heads) if num_random else None
+        return _union_mask(seq_len, bq, _device(device), window, globals_, random)
     mask = sliding_window(seq_len, window, block_size=(bq, bk), device=device)
     if num_global:
         mask = mask | global_tokens(seq_len, range(min(num_global, seq_len)), block_size=(bq, bk), device=device)
     if num_random:
+        random = _bigbird_random_blocks(seq_len, num_random, seed, heads, (bq, bk))
         nq, nk = math.ceil(seq_len / bq), math.ceil(seq_len / bk)
-        gen = torch.Generator().manual_seed(seed)
-        blocks = _random_block_matrix(nq, nk, num_random, gen, heads)[None]
+        blocks = torch.zeros(heads, nq, nk, dtype=torch.bool).scatter_(-1, torch.from_numpy(random), True)[None]
         rand = BlockSparseMask.from_block_matrix(
             blocks.to(device) if device is not None else blocks, seq_lengths=(seq_len, seq_len), block_size=(bq, bk)
         )

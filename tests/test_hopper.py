@@ -5,12 +5,11 @@ SPARSE_ATTN_SM90_PINGPONG forces the consumer ping-pong on or off."""
 
 import pytest
 import torch
+from conftest import HAS_CUDA
 from utils import check_attention, make_qkv
 
 import sparse_attn
 from sparse_attn import patterns
-
-from conftest import HAS_CUDA
 
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not IS_SM90, reason="needs a compute capability 9.0 GPU")
@@ -84,8 +83,17 @@ def test_hopper_deterministic_and_nan_skipped():
 
 def _raw_block_sparse(q, k, v, mask, order):
     return torch.ops.sparse_attn.block_sparse_fwd(
-        q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.kv_partial, mask.partial_masks,
-        mask.q_block, mask.kv_block, None, order,
+        q,
+        k,
+        v,
+        mask.kv_num_blocks,
+        mask.kv_indices,
+        mask.kv_partial,
+        mask.partial_masks,
+        mask.q_block,
+        mask.kv_block,
+        None,
+        order,
     )
 
 

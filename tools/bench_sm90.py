@@ -38,50 +38,64 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["hopper", "no-pingpong", "portable"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch._dynamo.config.cache_size_limit = 64  # one compile per shape; never fall back to eager
     flex = flex_fn(dev)
-    from torch.nn.attention.flex_attention import create_block_mask
 
-    print("| D | mask | L | " + " | ".join(args.variants) + " | cudnn | flex | ours/cudnn | ours/flex |")
-    print("|---" * (len(args.variants) + 7) + "|")
+    dtype = getattr(torch, args.dtype)
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | B={args.batch} H={args.heads} {args.dtype}")
+    refs = " | cudnn | sdpa-flash | flex | ours/cudnn | ours/sdpa-flash | ours/flex |"
+    print("| D | mask | L | " + " | ".join(args.variants) + refs)
+    print("|---" * (len(args.variants) + 9) + "|")
     for d in args.head_dims:
         for causal in (False, True):
             for L in args.lengths:
-                q, k, v = (torch.randn(args.batch, args.heads, L, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
-                pairs = args.batch * args.heads * L * (L + 1) / 2 if causal else args.batch * args.heads * L * L
-                tf = lambda ms: 4 * pairs * d / ms / 1e9  # noqa: E731
-                ours = {
-                    "hopper": lambda: sparse_attn.flash_attention(q, k, v, causal=causal),
-                    "no-pingpong": with_env(
-                        lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_PINGPONG="0"
-                    ),
-                    "portable": with_env(lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90="0"),
-                }
-                res = [tf(time_ms(ours[name], dev)) for name in args.variants]
+                run_case(args, dtype, d, causal, L, flex, dev)
 
-                def cudnn():
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-                bm = None
-                if causal:
-                    bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, L, L, device=dev)
-                else:
-                    bm = create_block_mask(lambda b, h, i, j: i >= 0, None, None, L, L, device=dev)
-                c = tf(time_ms(cudnn, dev))
-                try:
-                    f = tf(time_ms(lambda: flex(q, k, v, block_mask=bm), dev))
-                except Exception as e:  # noqa: BLE001
-                    print(f"flex failed: {type(e).__name__}", flush=True)
-                    f = float("nan")
-                cells = " | ".join(f"{x:.1f}" for x in res)
-                print(
-                    f"| {d} | {'causal' if causal else 'full'} | {L} | {cells} | {c:.1f} | {f:.1f} | "
-                    f"{res[0] / c:.3f} | {res[0] / f:.3f} |",
-                    flush=True,
-                )
+def run_case(args, dtype, d, causal, L, flex, dev):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v = (torch.randn(args.batch, args.heads, L, d, device=dev, dtype=dtype) for _ in range(3))
+    pairs = args.batch * args.heads * L * (L + 1) / 2 if causal else args.batch * args.heads * L * L
+    tf = lambda ms: 4 * pairs * d / ms / 1e9  # noqa: E731
+    ours = {
+        "hopper": lambda: sparse_attn.flash_attention(q, k, v, causal=causal),
+        "no-pingpong": with_env(
+            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_PINGPONG="0"
+        ),
+        "portable": with_env(lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90="0"),
+    }
+    res = [tf(time_ms(ours[name], dev)) for name in args.variants]
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def fa2():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    bm = None
+    if causal:
+        bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, L, L, device=dev)
+    else:
+        bm = create_block_mask(lambda b, h, i, j: i >= 0, None, None, L, L, device=dev)
+    c = tf(time_ms(cudnn, dev))
+    f2 = tf(time_ms(fa2, dev))
+    try:
+        f = tf(time_ms(lambda: flex(q, k, v, block_mask=bm), dev))
+    except Exception as e:  # noqa: BLE001
+        print(f"flex failed: {type(e).__name__}", flush=True)
+        f = float("nan")
+    cells = " | ".join(f"{x:.1f}" for x in res)
+    print(
+        f"| {d} | {'causal' if causal else 'full'} | {L} | {cells} | {c:.1f} | {f2:.1f} | {f:.1f} | "
+        f"{res[0] / c:.3f} | {res[0] / f2:.3f} | {res[0] / f:.3f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
