@@ -14,7 +14,7 @@ import torch
 from sparse_attn import BlockSparseMask, patterns
 
 NONE, FULL = -2, -1
-LENGTHS = [0, 1, 63, 64, 127, 128, 129, 1000]
+LENGTHS = [0, 1, 64, 129, 1000]
 SQUARE = [64, 128]
 MIXED = [(64, 128), (128, 64)]
 # Equal query and key blocks (the fast builders) over every length; mixed ones (the generic path)
@@ -107,7 +107,7 @@ def check(mask, want, block_size):
 
 
 # ------------------------------------------------------------------------------------ each builder
-WINDOWS = [1, 2, 63, 64, 65, 128, 129, 300, 5000]
+WINDOWS = [1, 63, 65, 129, 300, 5000]
 
 
 @pytest.mark.parametrize("length, block_size", SHAPES)
@@ -133,14 +133,14 @@ def test_causal(lengths, block_size):
 
 
 @pytest.mark.parametrize("length, block_size", SHAPES)
-@pytest.mark.parametrize("dilation", [1, 2, 3, 64, 127, 128, 200, 1001])
+@pytest.mark.parametrize("dilation", [1, 3, 128, 200, 1001])
 def test_dilated(dilation, length, block_size):
     for w in WINDOWS:
         check(patterns.dilated(length, w, dilation, block_size=block_size), dilated(length, w, dilation), block_size)
 
 
 @pytest.mark.parametrize("length, block_size", SHAPES)
-@pytest.mark.parametrize("dilation", [1, 2, 3, 64, 100, 128, 129])
+@pytest.mark.parametrize("dilation", [1, 3, 100, 129])
 def test_dilated_2d(dilation, length, block_size):
     for segment in [1, 2, 5, 63, 64, 65, 96, 128, 129, 200, 256, 1000, 5000]:
         mask = patterns.dilated_2d(length, segment, dilation, block_size=block_size)
@@ -148,7 +148,7 @@ def test_dilated_2d(dilation, length, block_size):
 
 
 @pytest.mark.parametrize("length, block_size", SHAPES)
-@pytest.mark.parametrize("stride", [1, 3, 64, 100, 128, 300, 2000])
+@pytest.mark.parametrize("stride", [1, 3, 128, 300, 2000])
 def test_strided(stride, length, block_size):
     for local in [1, 5, 64, 128, 200, 5000]:
         check(
@@ -173,7 +173,7 @@ def test_global_tokens(length, block_size):
 
 
 @pytest.mark.parametrize("length, block_size", SHAPES)
-@pytest.mark.parametrize("window", [1, 63, 64, 65, 200, 5000])
+@pytest.mark.parametrize("window", [1, 64, 65, 5000])
 def test_longformer(window, length, block_size):
     for idx in _global_sets(length):
         mask = patterns.longformer(length, window, idx, block_size=block_size)
