@@ -126,18 +126,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
           const int s = kv % kStages;
           const uint32_t phase = (kv / kStages) & 1;
           const int n0 = tiles.n_block(it) * kBlockN;
-          mbar_wait(bar_k_empty + 8 * s, phase ^ 1);
-          mbar_expect_tx(bar_k_full + 8 * s, Tr::kKVBytes);
+          // Ring slot s of K (then of V): wait until the consumers released it, then refill it.
+          auto load = [&](uint32_t buf, const CUtensorMap* map, uint32_t full, uint32_t empty) {
+            mbar_wait(empty + 8 * s, phase ^ 1);
+            mbar_expect_tx(full + 8 * s, Tr::kKVBytes);
 #pragma unroll
-          for (int c = 0; c < Tr::kColBlocks; ++c)
-            tma_load_4d(sK + s * Tr::kKVBytes + c * Tr::kKVColBytes, &P.tma_k, bar_k_full + 8 * s, c * 64, n0, hk,
-                        b);
-          mbar_wait(bar_v_empty + 8 * s, phase ^ 1);
-          mbar_expect_tx(bar_v_full + 8 * s, Tr::kKVBytes);
-#pragma unroll
-          for (int c = 0; c < Tr::kColBlocks; ++c)
-            tma_load_4d(sV + s * Tr::kKVBytes + c * Tr::kKVColBytes, &P.tma_v, bar_v_full + 8 * s, c * 64, n0, hk,
-                        b);
+            for (int c = 0; c < Tr::kColBlocks; ++c)
+              tma_load_4d(buf + s * Tr::kKVBytes + c * Tr::kKVColBytes, map, full + 8 * s, c * 64, n0, hk, b);
+          };
+          load(sK, &P.tma_k, bar_k_full, bar_k_empty);
+          load(sV, &P.tma_v, bar_v_full, bar_v_empty);
         }
       }
     }
