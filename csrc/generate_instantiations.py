@@ -70,6 +70,12 @@ def files() -> dict[str, str]:
             f"template cudaError_t sparse_attn::run_gather_fwd_<sparse_attn::ScalarKind::{dtype}>(\n"
             "    const sparse_attn::AttnFwdParams&, cudaStream_t);\n"
         )
+    for dname, dtype in DTYPES.items():
+        out[f"topk_score_{dname}.cu"] = (
+            HEADER + '#include "sparse_attn/cuda/topk_score.cuh"\n\n'
+            f"template cudaError_t sparse_attn::run_topk_score_<sparse_attn::ScalarKind::{dtype}>(\n"
+            "    const sparse_attn::TopkSelectParams&, int64_t, cudaStream_t);\n"
+        )
     return out
 
 

@@ -21,6 +21,7 @@ block sizes take a generic path that synchronises.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -349,14 +350,78 @@ class _Plan(NamedTuple):
     two_step: bool  # the table takes two lookups
     buffer: np.ndarray
     shapes: tuple[tuple[int, ...], ...]
+    # Plans of bands and unions also carry their rows' key blocks, worked out on the host
+    # (_row_lists), after the arrays above: then _realise skips the table.
+    row_lists: int = 0  # trailing arrays of them: 2 ((H, nq, narrow) indices and states), 5 (also full rows)
+    narrow: int = 0  # widest row that does not hold a global token
 
 
-def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, random=None) -> _Plan:
+class _Runs(NamedTuple):
+    """Rows whose key blocks are a run ``k0..k1`` (empty when k1 < k0), the key blocks ``g``
+    (sorted, distinct) that hold global tokens, and for each head the full ``random`` blocks
+    (H, nq, r) outside those two (the others replaced by nk) or None, and the same as ``drawn``;
+    rows ``full_rows`` (holding a global token) list every key block."""
+
+    k0: np.ndarray  # (nq,)
+    k1: np.ndarray  # (nq,)
+    g: np.ndarray  # (ng,)
+    full_rows: np.ndarray  # (nq,) bool
+    random: np.ndarray | None = None  # (H, nq, r), nk where already listed
+    drawn: np.ndarray | None = None  # (H, nq, r): the random blocks as drawn (each made full)
+
+
+def _lookup(lut: list[np.ndarray], qb: np.ndarray, kb: np.ndarray) -> np.ndarray:
+    """The block table at (qb, kb) (broadcasting), on the host: what _realise's lookup computes."""
+    if len(lut) == 6:
+        table, a, b, diag, ca, cb = lut
+        return table[diag[ca[qb] + cb[kb]] + a[qb] + b[kb]]
+    table, a, b = lut
+    return table[a[qb] + b[kb]]
+
+
+def _row_lists(runs: _Runs, lut: list[np.ndarray], counts: np.ndarray, nk: int) -> list[np.ndarray]:
+    """Every row's key blocks and their states (the kv_indices / kv_partial entries), on the host:
+    for rows without a global token (H, nq, narrow) arrays, 0 / _FULL past a row's count; rows
+    holding one list every key block, given as their numbers (nf,) and states (H, nf, nk)."""
+    k0, k1, g = runs.k0[:, None], runs.k1[:, None], runs.g
+    nq, ng = runs.k0.size, g.size
+    length = np.maximum(k1 - k0 + 1, 0)
+    before = np.searchsorted(g, k0)
+    inside = np.where(length > 0, np.searchsorted(g, k1, side="right") - before, 0)
+    width = int(np.where(runs.full_rows, 0, (length + ng - inside)[:, 0]).max(initial=0))
+    p = np.arange(width)[None]
+    gp = np.append(g, 0)  # (padded: g may be empty)
+    idx = np.where(p < before, gp[np.minimum(p, max(ng - 1, 0))], k0 + p - before)
+    idx = np.where(p >= before + length, gp[np.clip(p - length + inside, 0, max(ng - 1, 0))], idx)
+    idx = np.where(p < length + ng - inside, idx, nk)[None]  # nk: no block
+    if runs.random is not None:  # merge the drawn blocks not listed yet
+        idx = np.sort(np.concatenate([np.broadcast_to(idx, (runs.random.shape[0], *idx.shape[1:])), runs.random], -1))
+    narrow = int(np.where(runs.full_rows, 0, counts).max(initial=0))
+    idx = idx[..., :narrow]
+    live = idx < nk
+    qb = np.arange(nq)[None, :, None]
+    state = np.where(live, _lookup(lut, qb, np.where(live, idx, 0)), _FULL)
+    full = np.flatnonzero(runs.full_rows)
+    full_state = np.broadcast_to(_lookup(lut, full[:, None], np.arange(nk)[None]), (idx.shape[0], full.size, nk))
+    if runs.drawn is not None:  # drawn blocks are full, also where the band or a global column lists them
+        state = np.where(live & (state == _NONE), _FULL, state)
+        hit = (idx[..., :, None] == runs.drawn[..., None, :]).any(-1) & live
+        state = np.where(hit, _FULL, state)
+        full_state = full_state.copy()
+        drawn_full = runs.drawn[:, full]  # (H, nf, r)
+        hh, ff = np.meshgrid(np.arange(idx.shape[0]), np.arange(full.size), indexing="ij")
+        full_state[hh[..., None], ff[..., None], drawn_full] = _FULL
+    out = [np.where(live, idx, 0), state]
+    return out + ([runs.full_rows, full, full_state] if full.size else [])
+
+
+def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, random=None, runs=None) -> _Plan:
     """Plan of the block table ``state[diag_cls[coord_q[qb] + coord_k[kb]], rows[qb], cols[kb]]``
     (``coord``: the diagonal's coordinate split into a query and a key part), with the partial
     blocks' ``bits``, each row's number of key blocks ``counts`` (H|1, nq), and full random key
     blocks ``random`` (H, nq, k) or None. One lookup step unless its table would exceed
-    ``_LUT_MAX`` entries."""
+    ``_LUT_MAX`` entries. With ``runs`` (_Runs) the rows' key blocks are known without the table,
+    which _realise then looks up only where a row lists a block."""
     kd, nr, nc = state.shape
     rc = nr * nc
     if kd == 1:
@@ -366,18 +431,46 @@ def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, random=
     else:
         lut = [state.ravel(), rows * nc, cols, diag_cls * rc, coord[0], coord[1]]
     arrays = [*lut, bits, counts, np.arange(cols.size)] + ([] if random is None else [random])
+    extra = ()
+    if runs is not None:
+        lists = _row_lists(runs, [x.astype(np.int64) for x in lut], counts, cols.size)
+        arrays += lists
+        extra = (len(lists), lists[0].shape[-1])
     buffer = np.concatenate([x.ravel() for x in arrays]).astype(np.int32)
     shapes = tuple(x.shape for x in arrays)
-    return _Plan(lengths, bs, counts.shape[0], int(counts.max()), len(lut) == 6, buffer, shapes)
+    return _Plan(lengths, bs, counts.shape[0], int(counts.max()), len(lut) == 6, buffer, shapes, *extra)
+
+
+_PINNED: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+
+
+def _pinned(plan: _Plan) -> torch.Tensor:
+    """The plan's buffer in page-locked memory (made once per plan): a copy from pageable memory
+    would wait for the stream's earlier work; from pinned memory it is queued like a kernel. Plan
+    buffers are never written, so the copy may still be in flight when the builder returns."""
+    hit = _PINNED.get(id(plan.buffer))
+    if hit is None or hit[0] is not plan.buffer:
+        if len(_PINNED) >= _PLANS:
+            _PINNED.pop(next(iter(_PINNED)))
+        hit = _PINNED[id(plan.buffer)] = (plan.buffer, torch.from_numpy(plan.buffer).pin_memory())
+    return hit[1]
 
 
 def _realise(plan: _Plan, dev: torch.device, compact: bool = False) -> BlockSparseMask:
     """The mask of a plan on ``dev``: one host-to-device copy and about a dozen device ops, none of
     which waits for the device (``compact`` merges identical partial blocks: one sync)."""
     flat = torch.from_numpy(plan.buffer)
-    flat = flat.to(dev, non_blocking=True) if dev.type != "cpu" else flat.clone()
-    sizes = [math.prod(s) for s in plan.shapes]
-    parts = [x.view(s) for x, s in zip(flat.split(sizes), plan.shapes, strict=True)]
+    flat = _pinned(plan).to(dev, non_blocking=True) if dev.type == "cuda" else flat.to(dev, copy=True)
+    ends = list(itertools.accumulate(math.prod(s) for s in plan.shapes))
+
+    def part(i: int) -> torch.Tensor:  # array i of the buffer, on the device
+        return flat[ends[i] - math.prod(plan.shapes[i]) : ends[i]].view(plan.shapes[i])
+
+    if plan.row_lists and not compact:
+        first, n = 6 if plan.two_step else 3, len(plan.shapes)  # bits, counts, positions follow the lookup
+        lists = [part(i) for i in range(n - plan.row_lists, n)]
+        return _realise_lists(plan, lists, [part(first + i) for i in range(3)])
+    parts = [part(i) for i in range(len(plan.shapes) - plan.row_lists)]
     if plan.two_step:
         lut, a, b, diag_lut, ca, cb, bits, counts, positions, *random = parts
         table = lut[diag_lut[ca[:, None] + cb] + (a[:, None] + b)]
@@ -401,8 +494,27 @@ def _realise(plan: _Plan, dev: torch.device, compact: bool = False) -> BlockSpar
     return BlockSparseMask(counts[None], idx, part, bits, seq_lengths=lengths, block_size=block_size, validate=False)
 
 
+def _realise_lists(plan: _Plan, lists: list[torch.Tensor], parts: list[torch.Tensor]) -> BlockSparseMask:
+    # parts: the plan's bits, counts and positions; lists: the arrays of _row_lists.
+    """_realise from the rows' key blocks worked out on the host (_row_lists): the tables are the
+    copied arrays themselves, widened to every key block when some row holds a global token (a
+    handful of device ops, none of them on an nQb x nKb table before it is the output)."""
+    bits, counts, positions = parts
+    idx, part = lists[0], lists[1]
+    if len(lists) == 5:  # rows holding a global token list every key block
+        full_rows, full, full_state = lists[2], lists[3], lists[4]
+        pad = (0, plan.width - plan.narrow)
+        idx = torch.where(full_rows[:, None] != 0, positions, torch.nn.functional.pad(idx, pad))
+        part = torch.nn.functional.pad(part, pad, value=_FULL).index_copy_(-2, full.long(), full_state)
+    lengths, block_size = plan.seq_lengths, (plan.bs, plan.bs)
+    return BlockSparseMask(
+        counts[None], idx[None], part[None], bits, seq_lengths=lengths, block_size=block_size, validate=False
+    )
+
+
 def _clear_plans() -> None:
     """Forget the cached host plans (to time or test the whole build)."""
+    _PINNED.clear()
     for cached in (_band_plan, _union_plan, _dilated_2d_plan):
         cached.cache_clear()
 
@@ -436,7 +548,16 @@ def _band_plan(lq: int, lk: int, bs: int, band: tuple) -> _Plan:
     state, bits = _classify(*_band_global_bits(band_bits, rows, cols, bs), bs)
     counts = _band_counts(state, diag_cls, rows[0], cols[0], nq, nk)
     coord = (np.arange(nq) + (nk - 1), -np.arange(nk))
-    return _plan((lq, lk), bs, state, coord, diag_cls, rows[0], cols[0], bits, counts[None])
+    runs = None
+    if band[0] == "interval":  # row qb sees keys first_i - hi .. last_i - lo: one run of key blocks
+        lo, hi = band[1], band[2]
+        first = np.arange(nq) * bs
+        j_lo = np.maximum(first - hi, 0) if hi is not None else np.zeros(nq, dtype=np.int64)
+        j_hi = np.minimum(np.minimum(first + bs, lq) - 1 - lo, lk - 1)
+        empty = j_lo > j_hi
+        k0, k1 = np.where(empty, 0, j_lo // bs), np.where(empty, -1, j_hi // bs)
+        runs = _Runs(k0, k1, np.zeros(0, dtype=np.int64), np.zeros(nq, dtype=bool))
+    return _plan((lq, lk), bs, state, coord, diag_cls, rows[0], cols[0], bits, counts[None], runs=runs)
 
 
 def _band_mask(lq: int, lk: int, bs: int, dev: torch.device, band: tuple, compact: bool = False) -> BlockSparseMask:
@@ -506,6 +627,11 @@ def _band_square(lq: int, lk: int, bs: int, lo: int, hi: int | None, dev: torch.
 
 def _global_idx(seq_len: int, global_idx: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     """Sorted distinct global tokens (a device tensor is copied to the host: one sync)."""
+    if isinstance(global_idx, (list, tuple, range)) and all(isinstance(x, int) for x in global_idx):
+        idx = sorted(set(global_idx))  # the common case, without numpy's per-call overhead
+        if idx and (idx[0] < 0 or idx[-1] >= seq_len):
+            raise ValueError(f"global_idx must lie in [0, {seq_len}), got values in [{idx[0]}, {idx[-1]}]")
+        return tuple(idx)
     if isinstance(global_idx, torch.Tensor):
         idx = global_idx.detach().to("cpu", torch.int64).numpy().ravel()
     else:
@@ -537,13 +663,17 @@ def _union_plan(seq_len: int, bs: int, window: int | None, global_idx: tuple[int
         k1 = np.minimum(first + (window - 1) + bs - 1, seq_len - 1) // bs
     prefix = np.concatenate([[0], np.cumsum(has_global)])
     counts = ((k1 - k0 + 1) + prefix[-1] - (prefix[k1 + 1] - prefix[k0]))[None]
+    extra = None
     if random is not None:
         random = _bigbird_random_blocks(seq_len, *random, (bs, bs))
         outside = ((random < k0[:, None]) | (random > k1[:, None])) & ~has_global[random]
         counts = counts + outside.sum(-1)
+        extra = np.where(outside, random, n)
     counts = np.where(has_global, n, counts)
     coord = (np.arange(n) + (n - 1), -np.arange(n))
-    return _plan((seq_len, seq_len), bs, state, coord, diag_cls, blocks[0], blocks[0], bits, counts, random)
+    # Realised by the run path only (_realise_runs), which takes the random blocks from `runs`.
+    runs = _Runs(k0, k1, np.flatnonzero(has_global), has_global, extra, random)
+    return _plan((seq_len, seq_len), bs, state, coord, diag_cls, blocks[0], blocks[0], bits, counts, runs=runs)
 
 
 def _union_mask(seq_len: int, bs: int, dev: torch.device, window, global_idx, random=None) -> BlockSparseMask:

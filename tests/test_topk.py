@@ -139,6 +139,28 @@ def test_token_selection_exact_ties_lower_index_wins(causal, device):
     assert torch.equal(idx.cpu(), torch.arange(7, dtype=torch.int32).expand(b, h, lq, 7))
 
 
+@pytest.mark.parametrize("k_sel", [1, 100, 3000])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spread", [4, 100], ids=["many_ties", "few_ties"])
+def test_token_selection_exact_on_long_rows(spread, causal, k_sel, device):
+    """6000-key rows: the selection's candidate bin holds many tied scores, or few."""
+    b, h, lq, lk, d = 1, 2, 8, 6000, 64
+    q = small_ints((b, h, lq, d), 61, torch.bfloat16, device, lo=-spread, hi=spread)
+    k = small_ints((b, 1, lk, d), 62, torch.bfloat16, device, lo=-spread, hi=spread)
+    v = make_qkv(b, 1, 1, lk, lk, d, device=device, seed=63)[2]
+    _, idx = sparse_attn.topk_attention(q, k, v, k_sel, causal=causal, return_indices=True)
+    want = reference.topk_indices(head_scores(q, k).cpu(), k_sel, causal=causal)
+    assert torch.equal(idx.cpu(), want), f"selection differs at {(idx.cpu() != want).nonzero()[:4].tolist()}"
+
+
+def test_token_selection_when_one_bin_overflows(device):
+    """5000 equal scores in one row: more than the selection's shared-memory candidates."""
+    q = small_ints((1, 1, 3, 64), 64, torch.float16, device)
+    k = small_ints((1, 1, 1, 64), 65, torch.float16, device).expand(1, 1, 5000, 64).contiguous()
+    _, idx = sparse_attn.topk_attention(q, k, k, 9, return_indices=True)
+    assert torch.equal(idx.cpu(), torch.arange(9, dtype=torch.int32).expand(1, 1, 3, 9))
+
+
 @pytest.mark.parametrize("k_sel", [1, 50])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", ["gqa_ragged", "mqa_lq_gt_lk", "square_257"])
@@ -220,6 +242,68 @@ def test_strided_inputs_select_and_attend_like_contiguous(device):
     check_close(
         "strided vs contiguous", out, reference.gather_attention(q, k, v, idx)[0], out_c, dtype=q.dtype
     )
+
+
+def unique_indices(b, hi, lq, lk, k, seed, device):
+    """(B, Hi, Lq, k) int32 rows of distinct keys in random order, with -1 and out-of-range
+    entries (both mean "no key") sprinkled in, and a few rows with no key at all."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.argsort(torch.rand(b, hi, lq, lk, generator=g), dim=-1)[..., :k].to(torch.int32)
+    drop = torch.rand(b, hi, lq, k, generator=g)
+    idx = torch.where(drop < 0.1, torch.tensor(-1, dtype=torch.int32), idx)
+    idx = torch.where((drop >= 0.1) & (drop < 0.15), torch.tensor(lk + 7, dtype=torch.int32), idx)
+    idx[:, :, :2] = -1
+    return idx.to(device)
+
+
+# (B, H, Hkv, Hi, Lq, Lk, D): heads sharing a kv head and an index set are served together
+# (groups of 32 -> two warps of 16, 4, 2 (gcd(4, 6)), and 1).
+GATHER_SHAPES = {
+    "mqa_shared_32": (1, 32, 1, 1, 21, 300, 128),
+    "gqa_per_kv_head": (2, 16, 4, 4, 19, 130, 64),
+    "gqa_gcd_2": (1, 12, 3, 2, 17, 200, 96),
+    "per_head": (2, 8, 2, 8, 9, 90, 64),
+}
+
+
+@pytest.mark.parametrize("k_sel", [5, 77])
+@pytest.mark.parametrize("shape", list(GATHER_SHAPES), ids=list(GATHER_SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gather_with_index_sets_shared_across_heads(dtype, shape, k_sel, device):
+    b, h, hkv, hi, lq, lk, d = GATHER_SHAPES[shape]
+    q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=dtype, device=device, seed=k_sel + lk)
+    idx = unique_indices(b, hi, lq, lk, k_sel, seed=k_sel + h, device=device)
+    out, lse = torch.ops.sparse_attn.gather_fwd(q, k, v, idx)
+    check_gather(out, lse, q, k, v, idx, name=f"gather {shape} {dtype} k={k_sel}")
+    assert bool(torch.isneginf(lse[:, :, :2]).all()), "rows listing no key have LSE -inf"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("indexer", [False, True])
+@pytest.mark.parametrize("workspace", [2 * 64 * 200 * 4, 10_000], ids=["two_tiles", "row_chunks"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_selection_over_a_small_workspace_in_chunks(causal, workspace, indexer, monkeypatch):
+    """The score workspace is cut to two 64-row tiles (tensor-core scoring, 9 chunks) or to a few
+    rows (CUDA-core scoring): the selection must not change."""
+    monkeypatch.setenv("SPARSE_ATTN_TOPK_WORKSPACE_BYTES", str(workspace))
+    b, h, hkv, lq, lk, d = 2, 3, 1, 150, 200, 64
+    q = small_ints((b, h, lq, d), 51, torch.bfloat16, "cuda")
+    k = small_ints((b, hkv, lk, d), 52, torch.bfloat16, "cuda")
+    v = make_qkv(b, hkv, hkv, lk, lk, d, device="cuda", seed=53)[2]
+    extra = {}
+    if indexer:
+        extra = {
+            "index_query": small_ints((b, lq, 3, 64), 54, torch.bfloat16, "cuda"),
+            "index_key": small_ints((b, lk, 64), 55, torch.bfloat16, "cuda"),
+            "index_weights": small_ints((b, lq, 3), 56, torch.bfloat16, "cuda"),
+        }
+    _, idx = sparse_attn.topk_attention(q, k, v, 33, causal=causal, return_indices=True, **extra)
+    if indexer:
+        scores = reference.indexer_scores(*(t.cpu() for t in extra.values())).unsqueeze(1)
+    else:
+        scores = head_scores(q, k).cpu()
+    want = reference.topk_indices(scores, 33, causal=causal)
+    assert torch.equal(idx.cpu(), want), f"selection differs at {(idx.cpu() != want).nonzero()[:4].tolist()}"
 
 
 # ------------------------------------------------------------------------------------ lightning indexer

@@ -45,5 +45,11 @@ ik = torch.randn(2, 100, 64, device=dev, dtype=torch.bfloat16)
 iw = torch.randn(2, 100, 4, device=dev, dtype=torch.bfloat16)
 q = torch.randn(2, 4, 100, 64, device=dev, dtype=torch.bfloat16)
 sparse_attn.topk_attention(q, q[:, :2], q[:, :2], 9, causal=True, index_query=iq, index_key=ik, index_weights=iw)
+# Gathered attention with one index set for 32 heads over one kv head (two warps of 16 heads),
+# with -1 and out-of-range entries.
+q = torch.randn(1, 32, 50, 128, device=dev, dtype=torch.bfloat16)
+kv = torch.randn(1, 1, 300, 128, device=dev, dtype=torch.bfloat16)
+idx = torch.randint(-1, 310, (1, 1, 50, 70), device=dev, dtype=torch.int32)
+torch.ops.sparse_attn.gather_fwd(q, kv, kv, idx)
 torch.cuda.synchronize()
 print("sanitize cases done")

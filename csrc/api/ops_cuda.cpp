@@ -3,7 +3,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstdlib>
 
 #include "common.h"
 #include "cuda_common.h"
@@ -116,7 +118,10 @@ std::tuple<at::Tensor, at::Tensor> gather_fwd_cuda(const at::Tensor& query, cons
   check_cuda(query);
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse] = alloc_outputs(query, s);
-  AttnFwdParams params = set_params_fwd(query, key, value, out, lse, s, resolve_scale(scale, s.d));
+  // The tensor-core gather (16-bit, D = Dv <= 128) copies 16-byte chunks: align its inputs.
+  const bool mma = query.scalar_type() != at::kFloat && s.d == s.dv && s.d <= 128;
+  const at::Tensor q = mma ? aligned(query) : query, k = mma ? aligned(key) : key, v = mma ? aligned(value) : value;
+  AttnFwdParams params = set_params_fwd(q, k, v, out, lse, s, resolve_scale(scale, s.d));
   set_params_gather(params, query, s, indices);
   if (fill_trivial_outputs(s, out, lse)) return {out, lse};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -125,21 +130,60 @@ std::tuple<at::Tensor, at::Tensor> gather_fwd_cuda(const at::Tensor& query, cons
   return {out, lse};
 }
 
+// Bytes of the selection's score workspace; SPARSE_ATTN_TOPK_WORKSPACE_BYTES overrides the
+// default (tests shrink it to run the multi-chunk path at small sizes).
+int64_t select_workspace_bytes(const TopkSelectParams& p) {
+  const char* env = std::getenv("SPARSE_ATTN_TOPK_WORKSPACE_BYTES");
+  const int64_t v = env != nullptr ? std::atoll(env) : 0;
+  return v > 0 ? v : topk_select_workspace_bytes(int64_t(p.b) * p.h_sel * p.lq * p.topk * 4);
+}
+
 // Selection runs over bounded chunks of query rows, so its workspace is never B * H * Lq * Lk.
+// Tensor-core scoring fills the workspace a chunk of 64-row tiles at a time, then the select
+// kernel reads it; otherwise the select kernel scores its own row on the CUDA cores.
 at::Tensor run_select(TopkSelectParams& params, at::Tensor out, const at::Tensor& like) {
   const int64_t rows = int64_t(params.b) * params.h_sel * params.lq;
   if (out.numel() == 0 || rows == 0) return out;
   const c10::cuda::CUDAGuard guard(like.device());
-  const int64_t chunk = std::min(rows, topk_select_rows_per_chunk(params.lk));
-  at::Tensor scores = at::empty({chunk, std::max<int64_t>(params.lk, 1)}, like.options().dtype(at::kFloat));
-  params.scores = scores.data_ptr<float>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  for (int64_t begin = 0; begin < rows; begin += chunk) {
-    params.row_begin = begin;
-    const int64_t n = std::min(chunk, rows - begin);
+  const int64_t budget = select_workspace_bytes(params);
+  auto select = [&](int64_t n) {
     check_launch(
         dtype_dispatch(params.dtype, [&](auto dt) { return run_topk_select_<dt.value>(params, n, stream); }),
         "topk_select");
+  };
+  const int64_t stride = (params.lk + 3) / 4 * 4;
+  const int64_t tile_bytes = int64_t(kTopkScoreBlockM) * stride * 4;
+  if (topk_score_eligible(params) && tile_bytes <= budget) {
+    params.prescored = true;
+    params.n_qtiles = int((params.lq + kTopkScoreBlockM - 1) / kTopkScoreBlockM);
+    const int64_t tiles = int64_t(params.b) * params.h_sel * params.n_qtiles;
+    const int64_t per_chunk = std::min(tiles, budget / tile_bytes);
+    at::Tensor scores = at::empty({per_chunk * kTopkScoreBlockM, stride}, like.options().dtype(at::kFloat));
+    params.scores = scores.data_ptr<float>();
+    params.scores_stride = stride;
+    int sms = 0;
+    check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, like.get_device()),
+                 "cudaDeviceGetAttribute");
+    const int64_t key_tiles = (params.lk + kTopkScoreBlockN - 1) / kTopkScoreBlockN;
+    for (int64_t begin = 0; begin < tiles; begin += per_chunk) {
+      const int64_t n = std::min(per_chunk, tiles - begin);
+      params.tile_begin = begin;
+      params.n_splits = int(std::clamp<int64_t>((4 * sms + n - 1) / n, 1, key_tiles));
+      check_launch(SA_HALF_DTYPE_SWITCH(params.dtype, kDtype,
+                                        [&] { return run_topk_score_<kDtype>(params, n, stream); }),
+                   "topk_score");
+      select(n * kTopkScoreBlockM);
+    }
+    return out;
+  }
+  const int64_t chunk = std::clamp<int64_t>(budget / (stride * 4), 1, rows);
+  at::Tensor scores = at::empty({chunk, stride}, like.options().dtype(at::kFloat));
+  params.scores = scores.data_ptr<float>();
+  params.scores_stride = stride;
+  for (int64_t begin = 0; begin < rows; begin += chunk) {
+    params.row_begin = begin;
+    select(std::min(chunk, rows - begin));
   }
   return out;
 }
@@ -156,8 +200,8 @@ at::Tensor indexer_select_cuda(const at::Tensor& index_query, const at::Tensor& 
   TopkSelectParams params;
   at::Tensor out = set_params_indexer(params, index_query, index_key, index_weights, k, causal);
   check_cuda(index_query);
-  TORCH_CHECK(int64_t(params.hi) * (params.di + 1) * 4 <= 200 * 1024,
-              "index_query: HI * (DI + 1) * 4 bytes must fit in shared memory (200 KiB), got HI=", params.hi,
+  TORCH_CHECK(int64_t(params.hi) * (params.di + 1) * 4 <= 180 * 1024,
+              "index_query: HI * (DI + 1) * 4 bytes must fit in shared memory (180 KiB), got HI=", params.hi,
               ", DI=", params.di);
   return run_select(params, out, index_query);
 }

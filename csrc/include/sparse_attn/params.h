@@ -85,8 +85,17 @@ struct TopkSelectParams {
   int hi, di;
 
   int32_t* __restrict__ out;  // (B, Hs, Lq, topk), int32, contiguous; ascending, -1 padded
-  float* __restrict__ scores;  // (rows, Lk), fp32 workspace of the CUDA path: one chunk of rows
-  int64_t row_begin;           // first (b, hs, i) row of the chunk in flight (CUDA path)
+  // CUDA path: scores of one chunk of rows in a workspace, (rows, scores_stride) fp32.
+  float* __restrict__ scores;
+  int64_t scores_stride;  // >= Lk
+  int64_t row_begin;      // CUDA-core scoring: first (b, hs, i) row of the chunk in flight
+  // Tensor-core scoring (prescored): the chunk is 64-row query tiles [tile_begin, tile_begin + n)
+  // of the tiles numbered over (B, Hs, ceil(Lq / 64)); workspace row (tile - tile_begin) * 64 + r
+  // holds query row 64 * (tile % n_qtiles) + r, written by topk_score before selection reads it.
+  int64_t tile_begin;
+  int n_qtiles;
+  int n_splits;  // CTAs per tile of the scoring launch, each a contiguous share of the key tiles
+  bool prescored;
   int b, h, h_kv, lq, lk, d, topk;
   int h_sel;     // heads with their own index set: H (exact) or 1 (indexer)
   int h_per_kv;  // H / Hkv

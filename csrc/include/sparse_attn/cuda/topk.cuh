@@ -1,12 +1,13 @@
-// Dynamic top-k on CUDA, the straightforward version: CUDA-core scoring, a per-row radix
-// select, and attention over the gathered keys. Correct for every shape; the tensor-core
-// scorer and the fused gather kernel are later work.
+// Dynamic top-k on CUDA: selection, and attention over the gathered keys. Scores come from the
+// tensor-core scorer (topk_score.cuh) when the inputs suit it, else from CUDA-core loops here;
+// attention runs on the tensor cores (topk_gather.cuh) for 16-bit inputs with D = Dv <= 128,
+// else one warp per query row here.
 //
-// Selection, one CTA per query row: the row's scores against its visible keys go to a global
-// workspace row (the workspace holds a bounded chunk of rows, never B * H * Lq * Lk); a 4-pass
-// 8-bit radix select finds the k-th largest key T; one ascending pass then writes every index
-// scoring above T and the lowest-indexed ties at T, so the output is ascending and ties go to the
-// lower index. NaN ranks above everything (it must propagate, not be dropped).
+// Selection, one CTA per query row: the row's scores against its visible keys are in a global
+// workspace row (the workspace holds a bounded chunk of rows, never B * H * Lq * Lk), and
+// radix_select (radix_select.cuh) writes the k largest, ascending, ties to the lower index, NaN
+// ranking above everything (it must propagate, not be dropped). A row that sees at most k keys
+// takes them all without scoring.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,7 +18,9 @@
 #include <type_traits>
 
 #include "sparse_attn/cuda/cuda_check.h"
+#include "sparse_attn/cuda/radix_select.cuh"
 #include "sparse_attn/cuda/topk.h"
+#include "sparse_attn/cuda/topk_gather.cuh"
 
 namespace sparse_attn::cuda {
 
@@ -29,44 +32,22 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 
-constexpr int kSelectThreads = 256;
-constexpr int kSelectWarps = kSelectThreads / 32;
-
-// Order-preserving map of a float score to an unsigned key (larger score, larger key).
-__device__ __forceinline__ uint32_t order_key(float f) {
-  if (isnan(f)) return 0xffffffffu;
-  const uint32_t u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// Exclusive prefix count of `flag` over the CTA in thread order, and the CTA total.
-__device__ __forceinline__ int cta_exclusive_count(bool flag, int* warp_counts, int& total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-  if (lane == 0) warp_counts[warp] = __popc(ballot);
-  __syncthreads();
-  int before = __popc(ballot & ((1u << lane) - 1u));
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < kSelectWarps; ++w) {
-    before += w < warp ? warp_counts[w] : 0;
-    total += warp_counts[w];
-  }
-  __syncthreads();
-  return before;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_constant__ const TopkSelectParams p) {
   extern __shared__ float query_smem[];  // exact: D floats; indexer: HI * DI + HI floats
-  __shared__ unsigned hist[256];
-  __shared__ int warp_counts[kSelectWarps];
-  __shared__ uint32_t sel_prefix;
-  __shared__ int sel_remaining;
+  __shared__ SelectSmem sm;
 
-  const int64_t row = p.row_begin + blockIdx.x;  // over (B, Hs, Lq)
+  int64_t row;  // over (B, Hs, Lq)
+  if (p.prescored) {
+    const int64_t tile = p.tile_begin + blockIdx.x / 64;
+    const int i0 = int(tile % p.n_qtiles) * 64 + int(blockIdx.x % 64);
+    if (i0 >= p.lq) return;  // the last tile of a (b, hs) plane is ragged
+    row = tile / p.n_qtiles * p.lq + i0;
+  } else {
+    row = p.row_begin + blockIdx.x;
+  }
   const int i = int(row % p.lq), hs = int((row / p.lq) % p.h_sel), b = int(row / (int64_t(p.lq) * p.h_sel));
-  float* s = p.scores + int64_t(blockIdx.x) * p.lk;
+  float* s = p.scores + int64_t(blockIdx.x) * p.scores_stride;
   int32_t* out = p.out + row * p.topk;
   int nv = p.lk;
   if (p.causal) {
@@ -74,9 +55,13 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_cons
     nv = int(last < 0 ? 0 : (last > p.lk ? p.lk : last));
   }
   const int kk = p.topk < nv ? p.topk : nv;
+  if (kk == nv) {  // every visible key (or none): no scores needed
+    for (int x = threadIdx.x; x < p.topk; x += kSelectThreads) out[x] = x < kk ? x : -1;
+    return;
+  }
 
-  // 1. Scores of the visible keys.
-  if (p.indexer) {
+  // 1. Scores of the visible keys, unless topk_score wrote them already.
+  if (!p.prescored && p.indexer) {
     const T* iq = static_cast<const T*>(p.iq) + b * p.iq_batch_stride + int64_t(i) * p.iq_row_stride;
     const T* iw = static_cast<const T*>(p.iw) + b * p.iw_batch_stride + int64_t(i) * p.iw_row_stride;
     for (int x = threadIdx.x; x < p.hi * p.di; x += kSelectThreads)
@@ -93,7 +78,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_cons
       }
       s[j] = acc;
     }
-  } else {
+  } else if (!p.prescored) {
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride + int64_t(i) * p.q_row_stride;
     const int hk = hs / p.h_per_kv;
     for (int d = threadIdx.x; d < p.d; d += kSelectThreads) query_smem[d] = to_f32(q[d]);
@@ -107,48 +92,8 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_cons
   }
   __syncthreads();
 
-  // 2. Radix select: T = the kk-th largest key; `remaining` ties at T are taken.
-  if (threadIdx.x == 0) {
-    sel_prefix = 0;
-    sel_remaining = kk;
-  }
-  uint32_t mask = 0;
-  for (int shift = 24; shift >= 0 && kk > 0; shift -= 8) {
-    for (int x = threadIdx.x; x < 256; x += kSelectThreads) hist[x] = 0;
-    __syncthreads();
-    const uint32_t prefix = sel_prefix;
-    for (int j = threadIdx.x; j < nv; j += kSelectThreads) {
-      const uint32_t u = order_key(s[j]);
-      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int need = sel_remaining, digit = 255;
-      for (; digit > 0 && int(hist[digit]) < need; --digit) need -= int(hist[digit]);
-      sel_prefix = prefix | (uint32_t(digit) << shift);
-      sel_remaining = need;
-    }
-    mask |= 255u << shift;
-    __syncthreads();
-  }
-
-  // 3. Ascending pass: keys above T, then the lowest-indexed `remaining` ties.
-  const uint32_t threshold = sel_prefix;
-  const int ties = sel_remaining;
-  int written = 0, ties_seen = 0;
-  for (int base = 0; base < nv && kk > 0; base += kSelectThreads) {
-    const int j = base + threadIdx.x;
-    const uint32_t u = j < nv ? order_key(s[j]) : 0u;
-    const bool eq = j < nv && u == threshold;
-    int eq_total;
-    const int eq_rank = ties_seen + cta_exclusive_count(eq, warp_counts, eq_total);
-    const bool take = j < nv && (u > threshold || (eq && eq_rank < ties));
-    int take_total;
-    const int pos = written + cta_exclusive_count(take, warp_counts, take_total);
-    if (take) out[pos] = j;
-    written += take_total;
-    ties_seen += eq_total;
-  }
+  // 2. Selection (radix_select.cuh).
+  radix_select(s, nv, kk, out, sm);
   for (int x = kk + threadIdx.x; x < p.topk; x += kSelectThreads) out[x] = -1;
 }
 
@@ -250,13 +195,19 @@ cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaS
   if (rows > INT_MAX) return cudaErrorInvalidConfiguration;
   const size_t smem = sizeof(float) * (params.indexer ? size_t(params.hi) * params.di + params.hi : params.d);
   auto kernel = cuda::topk_select_kernel<T>;
-  if (smem > 48 * 1024) SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  // The static SelectSmem (about 40 KiB) counts against the default 48 KiB with the dynamic part.
+  SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<unsigned(rows), cuda::kSelectThreads, smem, stream>>>(params);
   return cudaGetLastError();
 }
 
 template <ScalarKind kDtype>
 cudaError_t run_gather_fwd_(const AttnFwdParams& params, cudaStream_t stream) {
+  if constexpr (kDtype != ScalarKind::kFloat32) {
+    if (cuda::gather_mma_eligible(params))
+      return params.d <= 64 ? cuda::run_gather_mma_<kDtype, 64>(params, stream)
+                            : cuda::run_gather_mma_<kDtype, 128>(params, stream);
+  }
   using T = typename cuda::TopkElement<kDtype>::type;
   const int64_t rows = int64_t(params.b) * params.h * params.lq;
   const int64_t blocks = (rows + cuda::kGatherWarps - 1) / cuda::kGatherWarps;

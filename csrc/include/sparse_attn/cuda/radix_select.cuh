@@ -1,0 +1,304 @@
+// Top-k of one row of fp32 scores by one CTA, with the selection's contract: the kk largest
+// (NaN above everything), ties at the threshold going to the lower index, written ascending.
+//
+// Scores map to order-preserving 32-bit keys. Three reads of the row:
+//   1. a histogram of the top 11 bits finds the bin holding the kk-th largest key;
+//   2. that bin's keys (with their indices) go to shared memory, and each warp counts the keys
+//      above the bin in its own contiguous segment of the row;
+//   3. the exact threshold T (two more digits, over the candidates in shared memory) and the
+//      per-segment counts give each warp its output offset, so the ascending write needs no
+//      CTA-wide synchronisation.
+// A bin with more candidates than shared memory holds (e.g. thousands of equal scores) falls
+// back to a plain 8-bit radix select over the row (four histogram passes and an ordered write).
+#pragma once
+
+#include <cstdint>
+
+namespace sparse_attn::cuda {
+
+constexpr int kSelectThreads = 256;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kSelectBits = 11;  // first digit: the top 11 bits
+constexpr int kSelectBins = 1 << kSelectBits;
+constexpr int kSelectCandidates = 4096;
+
+// Order-preserving map of a float score to an unsigned key (larger score, larger key).
+__device__ __forceinline__ uint32_t order_key(float f) {
+  if (isnan(f)) return 0xffffffffu;
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+struct SelectSmem {
+  unsigned hist[kSelectBins];
+  uint32_t cand_key[kSelectCandidates];
+  int cand_idx[kSelectCandidates];
+  int seg_above[kSelectWarps], seg_gt[kSelectWarps], seg_eq[kSelectWarps], seg_base[kSelectWarps],
+      seg_ties[kSelectWarps], warp_counts[kSelectWarps];
+  int n_cand, need;
+  uint32_t digit;
+};
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }
+
+// Exclusive prefix sum of x over the warp's lanes, and the warp total.
+__device__ __forceinline__ int warp_exclusive_sum(int x, int& total) {
+  int inc = x;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane_id() >= o) inc += y;
+  }
+  total = __shfl_sync(0xffffffffu, inc, 31);
+  return inc - x;
+}
+
+// hist[bin] += 1 for the lanes with `active`, one shared atomic per distinct bin of the warp.
+// Every lane of the warp calls it.
+__device__ __forceinline__ void hist_add(unsigned* hist, unsigned bin, bool active) {
+  const unsigned lanes = __ballot_sync(0xffffffffu, active);
+  if (active) {
+    const unsigned peers = __match_any_sync(lanes, bin);
+    if (lane_id() == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+  }
+}
+
+// Warp 0: walking bins from the top, the bin where the running count reaches `need`; writes it
+// and the count still to take inside it to sm.digit / sm.need.
+__device__ __forceinline__ void find_bin(const unsigned* hist, int nbins, int need, SelectSmem& sm) {
+  const int lane = lane_id(), per = nbins / 32;
+  const int hi = nbins - lane * per;  // this lane's bins: [hi - per, hi), walked downwards
+  int sum = 0;
+  for (int b = hi - 1; b >= hi - per; --b) sum += int(hist[b]);
+  int total;
+  const int before = warp_exclusive_sum(sum, total);
+  const unsigned reach = __ballot_sync(0xffffffffu, before + sum >= need);
+  if (lane == __ffs(reach) - 1) {
+    int n = need - before, b = hi - 1;
+    for (; b > hi - per && int(hist[b]) < n; --b) n -= int(hist[b]);
+    sm.digit = uint32_t(b);
+    sm.need = n;
+  }
+}
+
+// f(j0, keys[4], ok[4]) over this warp's segment [begin, end) of the row, 4 consecutive scores
+// per lane per call, calls in ascending order of j0. The loads of four calls are issued together
+// (one 16-byte load each when all 4 scores are in range; `s` is 16-byte aligned and `begin` a
+// multiple of 4), so that a warp keeps several loads in flight. The trip count is warp-uniform,
+// so f may use warp collectives.
+template <typename F>
+__device__ __forceinline__ void for_segment(const float* s, int begin, int end, F&& f) {
+  constexpr int kUnroll = 4;
+  for (int base = begin; base < end; base += 128 * kUnroll) {
+    float4 x[kUnroll];
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      const int j0 = base + 128 * r + 4 * lane_id();
+      if (j0 + 3 < end) x[r] = *reinterpret_cast<const float4*>(s + j0);
+    }
+#pragma unroll
+    for (int r = 0; r < kUnroll; ++r) {
+      if (base + 128 * r >= end) break;  // warp-uniform
+      const int j0 = base + 128 * r + 4 * lane_id();
+      uint32_t u[4];
+      bool ok[4];
+      if (j0 + 3 < end) {
+        u[0] = order_key(x[r].x), u[1] = order_key(x[r].y), u[2] = order_key(x[r].z), u[3] = order_key(x[r].w);
+        ok[0] = ok[1] = ok[2] = ok[3] = true;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          ok[e] = j0 + e < end;
+          u[e] = ok[e] ? order_key(s[j0 + e]) : 0u;
+        }
+      }
+      f(j0, u, ok);
+    }
+  }
+}
+
+// Exclusive prefix count of `flag` over the CTA in thread order, and the CTA total.
+__device__ __forceinline__ int cta_exclusive_count(bool flag, int* warp_counts, int& total) {
+  const int lane = lane_id(), warp = threadIdx.x / 32;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  __syncthreads();
+  int before = __popc(ballot & ((1u << lane) - 1u));
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kSelectWarps; ++w) {
+    before += w < warp ? warp_counts[w] : 0;
+    total += warp_counts[w];
+  }
+  __syncthreads();
+  return before;
+}
+
+// The fallback: four 8-bit histogram passes over the row, then an ordered write.
+__device__ inline void radix_select_plain(const float* s, int nv, int kk, int32_t* out, SelectSmem& sm) {
+  if (threadIdx.x == 0) {
+    sm.digit = 0;
+    sm.need = kk;
+  }
+  uint32_t mask = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int x = threadIdx.x; x < 256; x += kSelectThreads) sm.hist[x] = 0;
+    __syncthreads();
+    const uint32_t prefix = sm.digit;
+    for (int j = threadIdx.x; j < nv; j += kSelectThreads) {
+      const uint32_t u = order_key(s[j]);
+      if ((u & mask) == prefix) atomicAdd(&sm.hist[(u >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int need = sm.need, digit = 255;
+      for (; digit > 0 && int(sm.hist[digit]) < need; --digit) need -= int(sm.hist[digit]);
+      sm.digit = prefix | (uint32_t(digit) << shift);
+      sm.need = need;
+    }
+    mask |= 255u << shift;
+    __syncthreads();
+  }
+  const uint32_t threshold = sm.digit;
+  const int ties = sm.need;
+  int written = 0, ties_seen = 0;
+  for (int base = 0; base < nv; base += kSelectThreads) {
+    const int j = base + threadIdx.x;
+    const uint32_t u = j < nv ? order_key(s[j]) : 0u;
+    const bool eq = j < nv && u == threshold;
+    int eq_total;
+    const int eq_rank = ties_seen + cta_exclusive_count(eq, sm.warp_counts, eq_total);
+    const bool take = j < nv && (u > threshold || (eq && eq_rank < ties));
+    int take_total;
+    const int pos = written + cta_exclusive_count(take, sm.warp_counts, take_total);
+    if (take) out[pos] = j;
+    written += take_total;
+    ties_seen += eq_total;
+  }
+}
+
+// out[0, kk) = the selection over s[0, nv) (0 < kk < nv); every thread of the CTA calls it.
+__device__ inline void radix_select(const float* s, int nv, int kk, int32_t* out, SelectSmem& sm) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = lane_id();
+  const int seg = ((nv + kSelectWarps - 1) / kSelectWarps + 3) / 4 * 4;
+  const int begin = min(nv, warp * seg), end = min(nv, begin + seg);
+
+  // 1. Histogram of the top 11 bits; the bin of the kk-th largest key.
+  for (int x = tid; x < kSelectBins; x += kSelectThreads) sm.hist[x] = 0;
+  if (tid < kSelectWarps) sm.seg_gt[tid] = sm.seg_eq[tid] = 0;
+  if (tid == 0) sm.n_cand = 0;
+  __syncthreads();
+  for_segment(s, begin, end, [&](int, const uint32_t(&u)[4], const bool(&ok)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) hist_add(sm.hist, u[e] >> (32 - kSelectBits), ok[e]);
+  });
+  __syncthreads();
+  if (warp == 0) find_bin(sm.hist, kSelectBins, kk, sm);
+  __syncthreads();
+  const uint32_t bin = sm.digit;
+  int need = sm.need;
+  if (sm.hist[bin] > unsigned(kSelectCandidates)) {  // CTA-uniform
+    __syncthreads();
+    radix_select_plain(s, nv, kk, out, sm);
+    return;
+  }
+
+  // 2. The bin's keys to shared memory; keys above the bin counted per segment.
+  int above = 0;
+  for_segment(s, begin, end, [&](int j0, const uint32_t(&u)[4], const bool(&ok)[4]) {
+    bool any = false;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t b = u[e] >> (32 - kSelectBits);
+      above += ok[e] && b > bin;
+      any |= ok[e] && b == bin;
+    }
+    if (!__any_sync(0xffffffffu, any)) return;  // the bin is a few % of the row: usually none here
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool cand = ok[e] && (u[e] >> (32 - kSelectBits)) == bin;
+      const unsigned lanes = __ballot_sync(0xffffffffu, cand);
+      int base = 0;
+      if (lane == 0 && lanes != 0) base = atomicAdd(&sm.n_cand, __popc(lanes));
+      base = __shfl_sync(0xffffffffu, base, 0);
+      if (cand) {
+        const int pos = base + __popc(lanes & ((1u << lane) - 1u));
+        sm.cand_key[pos] = u[e];
+        sm.cand_idx[pos] = j0 + e;
+      }
+    }
+  });
+  int above_total;
+  warp_exclusive_sum(above, above_total);
+  if (lane == 0) sm.seg_above[warp] = above_total;
+  __syncthreads();
+
+  // 3. The exact threshold: the remaining 21 bits as an 11-bit and a 10-bit digit.
+  const int m = sm.n_cand;
+  uint32_t prefix = bin << (32 - kSelectBits), known = ~0u << (32 - kSelectBits);
+#pragma unroll
+  for (int round = 0; round < 2; ++round) {
+    const int shift = round == 0 ? 10 : 0, nbins = round == 0 ? 2048 : 1024;
+    for (int x = tid; x < nbins; x += kSelectThreads) sm.hist[x] = 0;
+    __syncthreads();
+    for (int c = tid; c < m; c += kSelectThreads) {
+      const uint32_t u = sm.cand_key[c];
+      if ((u & known) == prefix) atomicAdd(&sm.hist[(u >> shift) & uint32_t(nbins - 1)], 1u);
+    }
+    __syncthreads();
+    if (warp == 0) find_bin(sm.hist, nbins, need, sm);
+    __syncthreads();
+    prefix |= sm.digit << shift;
+    known |= uint32_t(nbins - 1) << shift;
+    need = sm.need;
+    __syncthreads();  // sm.digit / sm.need are rewritten by the next round
+  }
+  const uint32_t threshold = prefix;  // need = ties at the threshold to take, lowest index first
+  for (int c = tid; c < m; c += kSelectThreads) {
+    const uint32_t u = sm.cand_key[c];
+    const int w = sm.cand_idx[c] / seg;
+    if (u > threshold) atomicAdd(&sm.seg_gt[w], 1);
+    else if (u == threshold) atomicAdd(&sm.seg_eq[w], 1);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int base = 0, ties_left = need;
+    for (int w = 0; w < kSelectWarps; ++w) {
+      const int t = min(ties_left, sm.seg_eq[w]);
+      ties_left -= t;
+      sm.seg_ties[w] = t;
+      sm.seg_base[w] = base;
+      base += sm.seg_above[w] + sm.seg_gt[w] + t;
+    }
+  }
+  __syncthreads();
+
+  // 4. Ascending write: each warp its own segment, from its offset.
+  int pos = sm.seg_base[warp], eq_seen = 0;
+  const int quota = sm.seg_ties[warp];
+  for_segment(s, begin, end, [&](int j0, const uint32_t(&u)[4], const bool(&ok)[4]) {
+    int n_eq = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) n_eq += ok[e] && u[e] == threshold;
+    int eq_total;
+    int rank = eq_seen + warp_exclusive_sum(n_eq, eq_total);
+    bool take[4];
+    int n_take = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool eq = ok[e] && u[e] == threshold;
+      take[e] = ok[e] && (u[e] > threshold || (eq && rank < quota));
+      rank += eq;
+      n_take += take[e];
+    }
+    int take_total;
+    int p = pos + warp_exclusive_sum(n_take, take_total);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (take[e]) out[p++] = j0 + e;
+    pos += take_total;
+    eq_seen += eq_total;
+  });
+}
+
+}  // namespace sparse_attn::cuda
