@@ -124,6 +124,9 @@ class BlockSparseMask:
         self.partial_masks = partial_masks
         self.seq_lengths = (int(seq_lengths[0]), int(seq_lengths[1]))
         self.block_size = _pair(block_size)
+        # The attention kernel's CTA schedule for this mask (see ops._schedule), made on first use
+        # (or by the pattern builders, from their host plan) and kept: the mask is not modified.
+        self._order: torch.Tensor | None = None
         _check_block_size(self.block_size)
         self._check_layout()
         if validate:

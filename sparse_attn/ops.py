@@ -219,15 +219,25 @@ def block_sparse_attention(
     return _result(out, lse, None, return_lse)
 
 
-def _run_block_sparse(query, key, value, m: BlockSparseMask, scale):
-    # CTA schedule (tile_of_cta): query blocks far heavier than the mean (global-token rows) run
-    # first across every head, so they do not finish alone at the end; the rest run one head at
-    # a time, heaviest first, so the CTAs in flight share that head's K/V in L2. Computed on the
-    # mask's device: no synchronisation.
+def _schedule(m: BlockSparseMask) -> torch.Tensor:
+    """The CTA schedule of a mask (tile_of_cta), (nQb + 1,) int32: query blocks far heavier than
+    the mean (global-token rows) run first across every head, so they do not finish alone at the
+    end; the rest run one head at a time, heaviest first, so the CTAs in flight share that head's
+    K/V in L2. Made on the mask's device (no synchronisation) and kept on the mask: it is a few
+    small kernels, a noticeable share of a short sparse attention if paid on every call."""
+    if m._order is not None:
+        return m._order
     weights = m.kv_num_blocks.amax(dim=(0, 1))
     order = torch.argsort(weights, descending=True, stable=True)
     heavy = (weights.float() > 2 * weights.float().mean()).sum().reshape(1)
     order = torch.cat([order, heavy]).to(torch.int32)
+    if not torch.compiler.is_compiling():
+        m._order = order
+    return order
+
+
+def _run_block_sparse(query, key, value, m: BlockSparseMask, scale):
+    order = _schedule(m)
     return _ops.block_sparse_fwd.default(
         query,
         key,

@@ -431,6 +431,9 @@ def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, random=
     else:
         lut = [state.ravel(), rows * nc, cols, diag_cls * rc, coord[0], coord[1]]
     arrays = [*lut, bits, counts, np.arange(cols.size)] + ([] if random is None else [random])
+    # The attention's CTA schedule (ops._schedule), from the host's row counts.
+    weights = counts.max(0)
+    arrays.append(np.append(np.argsort(-weights, kind="stable"), int((weights > 2 * weights.mean()).sum())))
     extra = ()
     if runs is not None:
         lists = _row_lists(runs, [x.astype(np.int64) for x in lut], counts, cols.size)
@@ -466,11 +469,15 @@ def _realise(plan: _Plan, dev: torch.device, compact: bool = False) -> BlockSpar
     def part(i: int) -> torch.Tensor:  # array i of the buffer, on the device
         return flat[ends[i] - math.prod(plan.shapes[i]) : ends[i]].view(plan.shapes[i])
 
+    n = len(plan.shapes)
+    order = part(n - plan.row_lists - 1)  # the arrays end with the schedule, then the row lists
     if plan.row_lists and not compact:
-        first, n = 6 if plan.two_step else 3, len(plan.shapes)  # bits, counts, positions follow the lookup
+        first = 6 if plan.two_step else 3  # bits, counts, positions follow the lookup
         lists = [part(i) for i in range(n - plan.row_lists, n)]
-        return _realise_lists(plan, lists, [part(first + i) for i in range(3)])
-    parts = [part(i) for i in range(len(plan.shapes) - plan.row_lists)]
+        mask = _realise_lists(plan, lists, [part(first + i) for i in range(3)])
+        mask._order = order
+        return mask
+    parts = [part(i) for i in range(n - plan.row_lists - 1)]
     if plan.two_step:
         lut, a, b, diag_lut, ca, cb, bits, counts, positions, *random = parts
         table = lut[diag_lut[ca[:, None] + cb] + (a[:, None] + b)]
@@ -485,13 +492,17 @@ def _realise(plan: _Plan, dev: torch.device, compact: bool = False) -> BlockSpar
         table.scatter_(-1, random[0].long()[None], _FULL)
     lengths, block_size = plan.seq_lengths, (plan.bs, plan.bs)
     if compact:
-        return BlockSparseMask._from_table(table, bits, lengths, block_size, max_kv_blocks=plan.width)
-    # As BlockSparseMask._from_table, with the row counts and the width from the host.
-    pos = torch.where(table != _NONE, positions, nk).sort(-1).values[..., : plan.width]
-    live = pos < nk
-    idx = torch.where(live, pos, 0)
-    part = torch.where(live, table.gather(-1, idx.long()), _FULL)
-    return BlockSparseMask(counts[None], idx, part, bits, seq_lengths=lengths, block_size=block_size, validate=False)
+        mask = BlockSparseMask._from_table(table, bits, lengths, block_size, max_kv_blocks=plan.width)
+    else:  # as BlockSparseMask._from_table, with the row counts and the width from the host
+        pos = torch.where(table != _NONE, positions, nk).sort(-1).values[..., : plan.width]
+        live = pos < nk
+        idx = torch.where(live, pos, 0)
+        state = torch.where(live, table.gather(-1, idx.long()), _FULL)
+        mask = BlockSparseMask(
+            counts[None], idx, state, bits, seq_lengths=lengths, block_size=block_size, validate=False
+        )
+    mask._order = order
+    return mask
 
 
 def _realise_lists(plan: _Plan, lists: list[torch.Tensor], parts: list[torch.Tensor]) -> BlockSparseMask:

@@ -317,6 +317,18 @@ def _builders(length):
 
 
 @pytest.mark.parametrize("name", list(_builders(1)))
+def test_builders_attach_the_attention_schedule(name):
+    """Builders hand the mask the CTA schedule from their host plan; it must be the one the
+    attention would compute from the mask's own tables."""
+    from sparse_attn.ops import _schedule
+
+    mask = _builders(8192)[name]("cpu")
+    assert mask._order is not None
+    fresh = BlockSparseMask(*mask._tensors(), seq_lengths=mask.seq_lengths, block_size=mask.block_size)
+    assert torch.equal(mask._order, _schedule(fresh))
+
+
+@pytest.mark.parametrize("name", list(_builders(1)))
 def test_builds_on_meta_without_data(name):
     """Meta tensors have no data: any step that reads device data (.item(), nonzero, unique,
     boolean indexing, a width taken from the table) raises, so passing here means no sync."""

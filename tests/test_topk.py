@@ -139,18 +139,39 @@ def test_token_selection_exact_ties_lower_index_wins(causal, device):
     assert torch.equal(idx.cpu(), torch.arange(7, dtype=torch.int32).expand(b, h, lq, 7))
 
 
-@pytest.mark.parametrize("k_sel", [1, 100, 3000])
+@pytest.mark.parametrize("k_sel", [1, 100, 2048, 3000])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("spread", [4, 100], ids=["many_ties", "few_ties"])
-def test_token_selection_exact_on_long_rows(spread, causal, k_sel, device):
-    """6000-key rows: the selection's candidate bin holds many tied scores, or few."""
-    b, h, lq, lk, d = 1, 2, 8, 6000, 64
+@pytest.mark.parametrize("lk", [6000, 20000])
+def test_token_selection_exact_on_long_rows(lk, spread, causal, k_sel, device):
+    """Long rows (the CUDA select samples rows of 8192 keys or more when k <= 2925, else bins
+    them): many tied scores, or few."""
+    b, h, lq, d = 1, 2, 8, 64
     q = small_ints((b, h, lq, d), 61, torch.bfloat16, device, lo=-spread, hi=spread)
     k = small_ints((b, 1, lk, d), 62, torch.bfloat16, device, lo=-spread, hi=spread)
     v = make_qkv(b, 1, 1, lk, lk, d, device=device, seed=63)[2]
     _, idx = sparse_attn.topk_attention(q, k, v, k_sel, causal=causal, return_indices=True)
     want = reference.topk_indices(head_scores(q, k).cpu(), k_sel, causal=causal)
     assert torch.equal(idx.cpu(), want), f"selection differs at {(idx.cpu() != want).nonzero()[:4].tolist()}"
+
+
+@pytest.mark.parametrize("layout", ["rising", "in_sample_only"])
+def test_token_selection_when_the_sample_misjudges(layout, device):
+    """Rows the sampled select cannot finish: the top keys crowd into one warp's segment (its
+    region overflows), or sit only where the sample looks (too few keys pass its threshold)."""
+    lk, d = 20000, 64
+    j = torch.arange(lk)
+    if layout == "rising":
+        level = j // 100  # the largest scores at the end of the row
+    else:
+        level = torch.where(j % 2048 < 128, 200 + j % 7, j % 5)  # the sample's runs hold the large ones
+    k = (level.float()[:, None] / 8).expand(lk, d).to(torch.bfloat16)[None, None].contiguous().to(device)
+    q = torch.ones(1, 1, 4, d, dtype=torch.bfloat16, device=device)
+    for k_sel in (100, 2048):
+        _, idx = sparse_attn.topk_attention(q, k, k, k_sel, return_indices=True)
+        want = reference.topk_indices(head_scores(q, k).cpu(), k_sel)
+        where = (idx.cpu() != want).nonzero()[:4].tolist()
+        assert torch.equal(idx.cpu(), want), f"{layout} k={k_sel}: differs at {where}"
 
 
 def test_token_selection_when_one_bin_overflows(device):

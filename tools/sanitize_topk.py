@@ -16,6 +16,11 @@ for spread in (4, 100):
     k = torch.randint(-spread, spread, (1, 1, 3000, 64), device=dev, generator=g).bfloat16()
     for causal in (False, True):
         sparse_attn.topk_attention(q, k, k, 100, causal=causal)
+# Rows of 20000 keys: the sampled select, and its fallback when the top keys crowd one segment.
+long_k = torch.randint(-100, 100, (1, 1, 20000, 64), device=dev, generator=g).bfloat16()
+sparse_attn.topk_attention(q, long_k, long_k, 2048)
+rising = (torch.arange(20000, device=dev) // 100).bfloat16()[None, None, :, None].expand(1, 1, 20000, 64)
+sparse_attn.topk_attention(q, rising.contiguous(), long_k, 2048)
 same = k[:, :, :1].expand(1, 1, 5000, 64).contiguous()
 sparse_attn.topk_attention(q, same, same, 9)
 iq = torch.randn(1, 130, 4, 64, device=dev, generator=g).bfloat16()

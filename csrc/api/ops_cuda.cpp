@@ -169,7 +169,9 @@ at::Tensor run_select(TopkSelectParams& params, at::Tensor out, const at::Tensor
     for (int64_t begin = 0; begin < tiles; begin += per_chunk) {
       const int64_t n = std::min(per_chunk, tiles - begin);
       params.tile_begin = begin;
-      params.n_splits = int(std::clamp<int64_t>((4 * sms + n - 1) / n, 1, key_tiles));
+      // About 16 CTAs per SM (4 waves of 4): the causal triangle makes CTAs unequal, and few waves
+      // leave a ragged last one.
+      params.n_splits = int(std::clamp<int64_t>((16 * sms + n - 1) / n, 1, key_tiles));
       check_launch(SA_HALF_DTYPE_SWITCH(params.dtype, kDtype,
                                         [&] { return run_topk_score_<kDtype>(params, n, stream); }),
                    "topk_score");
@@ -200,8 +202,8 @@ at::Tensor indexer_select_cuda(const at::Tensor& index_query, const at::Tensor& 
   TopkSelectParams params;
   at::Tensor out = set_params_indexer(params, index_query, index_key, index_weights, k, causal);
   check_cuda(index_query);
-  TORCH_CHECK(int64_t(params.hi) * (params.di + 1) * 4 <= 180 * 1024,
-              "index_query: HI * (DI + 1) * 4 bytes must fit in shared memory (180 KiB), got HI=", params.hi,
+  TORCH_CHECK(int64_t(params.hi) * (params.di + 1) * 4 <= 144 * 1024,
+              "index_query: HI * (DI + 1) * 4 bytes must fit in shared memory (144 KiB), got HI=", params.hi,
               ", DI=", params.di);
   return run_select(params, out, index_query);
 }

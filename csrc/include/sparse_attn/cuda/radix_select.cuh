@@ -1,15 +1,17 @@
 // Top-k of one row of fp32 scores by one CTA, with the selection's contract: the kk largest
 // (NaN above everything), ties at the threshold going to the lower index, written ascending.
 //
-// Scores map to order-preserving 32-bit keys. Three reads of the row:
-//   1. a histogram of the top 11 bits finds the bin holding the kk-th largest key;
-//   2. that bin's keys (with their indices) go to shared memory, and each warp counts the keys
-//      above the bin in its own contiguous segment of the row;
-//   3. the exact threshold T (two more digits, over the candidates in shared memory) and the
-//      per-segment counts give each warp its output offset, so the ascending write needs no
-//      CTA-wide synchronisation.
-// A bin with more candidates than shared memory holds (e.g. thousands of equal scores) falls
-// back to a plain 8-bit radix select over the row (four histogram passes and an ordered write).
+// Scores map to order-preserving 32-bit keys. Long rows with moderate k read the row about once:
+//   1. a sample (contiguous runs, about 1/16 of the row) is copied to shared memory and its
+//      quantile gives a threshold that about 1.4 k keys of the row should pass;
+//   2. one read of the row copies every key at or above it, with its index, into shared memory:
+//      each warp its own contiguous segment of the row, in order, into its own region;
+//   3. the exact k-th largest key T among those (three digits over shared memory), then each warp
+//      writes its taken keys at an offset known from the per-warp counts: ascending, no sort.
+// When the sample misjudges (fewer than k pass, or a warp's region overflows), or the row is short
+// or k large, the binned select runs instead: a histogram of the top 11 bits finds the k-th key's
+// bin, a second read copies that bin's keys to shared memory, a third writes the result; and if
+// that bin alone overflows shared memory (thousands of equal scores), a plain 8-bit radix select.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +22,10 @@ constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kSelectBits = 11;  // first digit: the top 11 bits
 constexpr int kSelectBins = 1 << kSelectBits;
-constexpr int kSelectCandidates = 4096;
+constexpr int kSelectPerWarp = 1024;  // a warp's region of candidates (the sampled path)
+constexpr int kSelectCandidates = kSelectWarps * kSelectPerWarp;
+constexpr int kSampleRun = 128;  // the sample: runs of 128 keys, at most 64 of them
+constexpr int kSampleRuns = kSelectCandidates / kSampleRun;
 
 // Order-preserving map of a float score to an unsigned key (larger score, larger key).
 __device__ __forceinline__ uint32_t order_key(float f) {
@@ -34,8 +39,8 @@ struct SelectSmem {
   uint32_t cand_key[kSelectCandidates];
   int cand_idx[kSelectCandidates];
   int seg_above[kSelectWarps], seg_gt[kSelectWarps], seg_eq[kSelectWarps], seg_base[kSelectWarps],
-      seg_ties[kSelectWarps], warp_counts[kSelectWarps];
-  int n_cand, need;
+      seg_ties[kSelectWarps], seg_cand[kSelectWarps], warp_counts[kSelectWarps];
+  int n_cand, need, overflow;
   uint32_t digit;
 };
 
@@ -177,8 +182,35 @@ __device__ inline void radix_select_plain(const float* s, int nv, int kk, int32_
   }
 }
 
-// out[0, kk) = the selection over s[0, nv) (0 < kk < nv); every thread of the CTA calls it.
-__device__ inline void radix_select(const float* s, int nv, int kk, int32_t* out, SelectSmem& sm) {
+// The `need`-th largest key over keys in shared memory, digit by digit: rounds of 11 + 11 + 10
+// bits from the top, starting at `round0` with the digits of the earlier rounds in `prefix` (only
+// keys matching them count); each_key(f) calls f(key) for the keys this thread owns. Returns the
+// key; `need` becomes the number of keys equal to it to take.
+template <typename EachKey>
+__device__ __forceinline__ uint32_t refine_threshold(EachKey each_key, uint32_t prefix, int round0, int& need,
+                                                     SelectSmem& sm) {
+  constexpr int kShift[3] = {21, 10, 0}, kBinsOf[3] = {2048, 2048, 1024};
+  uint32_t known = round0 == 0 ? 0u : ~0u << kShift[round0 - 1];
+  for (int round = round0; round < 3; ++round) {
+    const int shift = kShift[round], nbins = kBinsOf[round];
+    for (int x = threadIdx.x; x < nbins; x += kSelectThreads) sm.hist[x] = 0;
+    __syncthreads();
+    each_key([&](uint32_t u) {
+      if ((u & known) == prefix) atomicAdd(&sm.hist[(u >> shift) & uint32_t(nbins - 1)], 1u);
+    });
+    __syncthreads();
+    if (threadIdx.x < 32) find_bin(sm.hist, nbins, need, sm);
+    __syncthreads();
+    prefix |= sm.digit << shift;
+    known |= uint32_t(nbins - 1) << shift;
+    need = sm.need;
+    __syncthreads();  // sm.digit / sm.need are rewritten by the next round
+  }
+  return prefix;
+}
+
+// The binned select (three reads of the row); see the file comment.
+__device__ inline void radix_select_binned(const float* s, int nv, int kk, int32_t* out, SelectSmem& sm) {
   const int tid = threadIdx.x, warp = tid / 32, lane = lane_id();
   const int seg = ((nv + kSelectWarps - 1) / kSelectWarps + 3) / 4 * 4;
   const int begin = min(nv, warp * seg), end = min(nv, begin + seg);
@@ -235,25 +267,11 @@ __device__ inline void radix_select(const float* s, int nv, int kk, int32_t* out
 
   // 3. The exact threshold: the remaining 21 bits as an 11-bit and a 10-bit digit.
   const int m = sm.n_cand;
-  uint32_t prefix = bin << (32 - kSelectBits), known = ~0u << (32 - kSelectBits);
-#pragma unroll
-  for (int round = 0; round < 2; ++round) {
-    const int shift = round == 0 ? 10 : 0, nbins = round == 0 ? 2048 : 1024;
-    for (int x = tid; x < nbins; x += kSelectThreads) sm.hist[x] = 0;
-    __syncthreads();
-    for (int c = tid; c < m; c += kSelectThreads) {
-      const uint32_t u = sm.cand_key[c];
-      if ((u & known) == prefix) atomicAdd(&sm.hist[(u >> shift) & uint32_t(nbins - 1)], 1u);
-    }
-    __syncthreads();
-    if (warp == 0) find_bin(sm.hist, nbins, need, sm);
-    __syncthreads();
-    prefix |= sm.digit << shift;
-    known |= uint32_t(nbins - 1) << shift;
-    need = sm.need;
-    __syncthreads();  // sm.digit / sm.need are rewritten by the next round
-  }
-  const uint32_t threshold = prefix;  // need = ties at the threshold to take, lowest index first
+  const uint32_t threshold = refine_threshold(
+      [&](auto f) {
+        for (int c = tid; c < m; c += kSelectThreads) f(sm.cand_key[c]);
+      },
+      bin << (32 - kSelectBits), 1, need, sm);  // need = ties at the threshold to take, lowest index first
   for (int c = tid; c < m; c += kSelectThreads) {
     const uint32_t u = sm.cand_key[c];
     const int w = sm.cand_idx[c] / seg;
@@ -299,6 +317,119 @@ __device__ inline void radix_select(const float* s, int nv, int kk, int32_t* out
     pos += take_total;
     eq_seen += eq_total;
   });
+}
+
+// The sampled select (one read of the row, plus a 1/16 sample); false when it cannot decide
+// (its shared state is then to be reset by the caller's fallback).
+__device__ inline bool radix_select_sampled(const float* s, int nv, int kk, int32_t* out, SelectSmem& sm) {
+  const int tid = threadIdx.x, warp = tid / 32, lane = lane_id();
+  // 1. The sample: runs of kSampleRun keys every `stride` keys; its threshold T0 is the key that
+  //    about 1.4 kk keys of the row should reach.
+  const int stride = max(2048, ((nv + kSampleRuns - 1) / kSampleRuns + 3) / 4 * 4);
+  const int runs = (nv + stride - 1) / stride;
+  for (int r = warp; r < runs; r += kSelectWarps) {
+    const int j0 = r * stride + 4 * lane;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sm.cand_key[r * kSampleRun + 4 * lane + e] = j0 + e < nv ? order_key(s[j0 + e]) : 0u;
+  }
+  if (tid < kSelectWarps) sm.seg_cand[tid] = 0;
+  if (tid == 0) sm.overflow = 0;
+  __syncthreads();
+  const int sampled = runs * kSampleRun;  // padding keys are 0: below every real key
+  int need = max(1, int((int64_t(kk) * 7 / 5 * sampled + nv - 1) / nv));
+  if (need > sampled) return false;
+  const uint32_t t0 = refine_threshold(
+      [&](auto f) {
+        for (int c = tid; c < sampled; c += kSelectThreads) f(sm.cand_key[c]);
+      },
+      0u, 0, need, sm);
+
+  // 2. Every key >= T0, with its index, into the warp's region, in the order of the row.
+  const int seg = ((nv + kSelectWarps - 1) / kSelectWarps + 3) / 4 * 4;
+  const int begin = min(nv, warp * seg), end = min(nv, begin + seg);
+  uint32_t* rkey = sm.cand_key + warp * kSelectPerWarp;
+  int* ridx = sm.cand_idx + warp * kSelectPerWarp;
+  int filled = 0;
+  bool full = false;
+  for_segment(s, begin, end, [&](int j0, const uint32_t(&u)[4], const bool(&ok)[4]) {
+    if (full) return;  // warp-uniform
+    int n = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) n += ok[e] && u[e] >= t0;
+    int total;
+    int pos = filled + warp_exclusive_sum(n, total);
+    if (filled + total > kSelectPerWarp) {
+      full = true;
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (ok[e] && u[e] >= t0) rkey[pos] = u[e], ridx[pos++] = j0 + e;
+    filled += total;
+  });
+  if (lane == 0) {
+    sm.seg_cand[warp] = filled;
+    if (full) atomicOr(&sm.overflow, 1);
+  }
+  __syncthreads();
+  int m = 0;
+#pragma unroll
+  for (int w = 0; w < kSelectWarps; ++w) m += sm.seg_cand[w];
+  if (sm.overflow != 0 || m < kk) return false;  // CTA-uniform
+
+  // 3. The exact threshold among the candidates (which hold every key >= the kk-th largest).
+  const int mine = sm.seg_cand[warp];
+  need = kk;
+  const uint32_t threshold = refine_threshold(
+      [&](auto f) {
+        for (int c = lane; c < mine; c += 32) f(rkey[c]);
+      },
+      0u, 0, need, sm);
+  int gt = 0, eq = 0;
+  for (int c = lane; c < mine; c += 32) {
+    gt += rkey[c] > threshold;
+    eq += rkey[c] == threshold;
+  }
+  int gt_total, eq_total;
+  warp_exclusive_sum(gt, gt_total);
+  warp_exclusive_sum(eq, eq_total);
+  if (lane == 0) sm.seg_gt[warp] = gt_total, sm.seg_eq[warp] = eq_total;
+  __syncthreads();
+  if (tid == 0) {
+    int base = 0, ties_left = need;
+    for (int w = 0; w < kSelectWarps; ++w) {
+      const int t = min(ties_left, sm.seg_eq[w]);
+      ties_left -= t;
+      sm.seg_ties[w] = t;
+      sm.seg_base[w] = base;
+      base += sm.seg_gt[w] + t;
+    }
+  }
+  __syncthreads();
+
+  // 4. Each warp writes its taken candidates, in order, from its offset.
+  int pos = sm.seg_base[warp], ties_seen = 0;
+  const int quota = sm.seg_ties[warp];
+  for (int c0 = 0; c0 < mine; c0 += 32) {
+    const int c = c0 + lane;
+    const uint32_t u = c < mine ? rkey[c] : 0u;
+    const bool is_eq = c < mine && u == threshold;
+    const unsigned eqs = __ballot_sync(0xffffffffu, is_eq);
+    const bool take = c < mine && (u > threshold || (is_eq && ties_seen + __popc(eqs & ((1u << lane) - 1u)) < quota));
+    const unsigned takes = __ballot_sync(0xffffffffu, take);
+    if (take) out[pos + __popc(takes & ((1u << lane) - 1u))] = ridx[c];
+    pos += __popc(takes);
+    ties_seen += __popc(eqs);
+  }
+  return true;
+}
+
+// out[0, kk) = the selection over s[0, nv) (0 < kk < nv); every thread of the CTA calls it.
+__device__ inline void radix_select(const float* s, int nv, int kk, int32_t* out, SelectSmem& sm) {
+  // The sampled path wants a sample much larger than its target and candidates that fit with room.
+  if (nv >= 8192 && int64_t(kk) * 7 / 5 <= kSelectCandidates / 2 && radix_select_sampled(s, nv, kk, out, sm)) return;
+  __syncthreads();
+  radix_select_binned(s, nv, kk, out, sm);
 }
 
 }  // namespace sparse_attn::cuda

@@ -34,8 +34,11 @@ __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 
 template <typename T>
 __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_constant__ const TopkSelectParams p) {
-  extern __shared__ float query_smem[];  // exact: D floats; indexer: HI * DI + HI floats
-  __shared__ SelectSmem sm;
+  // The selection's state, then the query of the CUDA-core scoring (exact: D floats; indexer:
+  // HI * DI + HI floats).
+  extern __shared__ __align__(16) char select_smem[];
+  SelectSmem& sm = *reinterpret_cast<SelectSmem*>(select_smem);
+  float* query_smem = reinterpret_cast<float*>(select_smem + sizeof(SelectSmem));
 
   int64_t row;  // over (B, Hs, Lq)
   if (p.prescored) {
@@ -193,9 +196,9 @@ cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaS
   using T = typename cuda::TopkElement<kDtype>::type;
   if (rows <= 0) return cudaSuccess;
   if (rows > INT_MAX) return cudaErrorInvalidConfiguration;
-  const size_t smem = sizeof(float) * (params.indexer ? size_t(params.hi) * params.di + params.hi : params.d);
+  const size_t smem = sizeof(cuda::SelectSmem) +
+                      sizeof(float) * (params.indexer ? size_t(params.hi) * params.di + params.hi : params.d);
   auto kernel = cuda::topk_select_kernel<T>;
-  // The static SelectSmem (about 40 KiB) counts against the default 48 KiB with the dynamic part.
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<unsigned(rows), cuda::kSelectThreads, smem, stream>>>(params);
   return cudaGetLastError();
