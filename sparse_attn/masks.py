@@ -127,10 +127,6 @@ class BlockSparseMask:
         # The attention kernel's CTA schedule for this mask (see ops._schedule), made on first use
         # (or by the pattern builders, from their host plan) and kept: the mask is not modified.
         self._order: torch.Tensor | None = None
-        # (lo, hi) when the mask is exactly the band lo <= i - j <= hi (hi None: unbounded), as the
-        # pattern builders record it: block_sparse_attention then enumerates it inside the kernel
-        # (the flash window iterator) and reads no tables. Any other way of making a mask: None.
-        self._band: tuple[int, int | None] | None = None
         _check_block_size(self.block_size)
         self._check_layout()
         if validate:
@@ -164,15 +160,12 @@ class BlockSparseMask:
         return self.kv_num_blocks.device
 
     def to(self, device: torch.device | str) -> BlockSparseMask:
-        moved = BlockSparseMask(
+        return BlockSparseMask(
             *(t.to(device) for t in self._tensors()),
             seq_lengths=self.seq_lengths,
             block_size=self.block_size,
             validate=False,
         )
-        moved._band = self._band
-        moved._order = None if self._order is None else self._order.to(device)
-        return moved
 
     def _tensors(self):
         return (self.kv_num_blocks, self.kv_indices, self.kv_partial, self.partial_masks)

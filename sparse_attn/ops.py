@@ -215,23 +215,8 @@ def block_sparse_attention(
     torch.Size([1, 2, 512, 64])
     """
     m = _as_block_sparse_mask(mask, query, key)
-    window = _band_window(m)
-    if window is not None:  # a band from the pattern library: the flash window iterator, no tables
-        out, lse = _ops.flash_fwd.default(query, key, value, _check_scale(scale), False, *window)
-    else:
-        out, lse = _run_block_sparse(query, key, value, m, _check_scale(scale))
+    out, lse = _run_block_sparse(query, key, value, m, _check_scale(scale))
     return _result(out, lse, None, return_lse)
-
-
-def _band_window(m: BlockSparseMask) -> tuple[int, int] | None:
-    """flash_attention's (window_left, window_right) for a band mask lo <= i - j <= hi, or None.
-    Flash sees key j from query i iff i + off - left <= j <= i + off + right (off = Lk - Lq)."""
-    if m._band is None:
-        return None
-    lo, hi = m._band
-    off = m.seq_lengths[1] - m.seq_lengths[0]
-    left, right = (-1 if hi is None else hi + off), -lo - off
-    return (left, right) if right >= 0 and (hi is None or left >= 0) else None
 
 
 def _schedule(m: BlockSparseMask) -> torch.Tensor:

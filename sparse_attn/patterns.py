@@ -577,12 +577,8 @@ def _band_mask(lq: int, lk: int, bs: int, dev: torch.device, band: tuple, compac
         return _empty(lq, lk, bs, dev)
     tracing = torch.compiler.is_compiling() or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
     if tracing and band[0] == "interval":
-        mask = _band_square(lq, lk, bs, band[1], band[2], dev, compact)
-    else:
-        mask = _realise(_band_plan(lq, lk, bs, band), dev, compact)
-    if band[0] == "interval":
-        mask._band = (band[1], band[2])
-    return mask
+        return _band_square(lq, lk, bs, band[1], band[2], dev, compact)
+    return _realise(_band_plan(lq, lk, bs, band), dev, compact)
 
 
 def _band_square(lq: int, lk: int, bs: int, lo: int, hi: int | None, dev: torch.device, compact: bool):

@@ -278,33 +278,6 @@ def test_all_ones_equals_flash_and_causal_equals_flash_causal(dtype, lengths, bl
         assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("block_size", [64, 128])
-@pytest.mark.parametrize("lengths", [(256, 256), (200, 300), (300, 200), (1000, 1000)])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_band_patterns_take_the_window_iterator_and_match_their_tables(dtype, lengths, block_size, device):
-    """Masks that are exactly a band (from the pattern library) run as flash_attention's window,
-    reading no tables: same result as the block-sparse kernel over the mask's tables."""
-    from sparse_attn.ops import _band_window, _run_block_sparse
-
-    lq, lk = lengths
-    q, k, v = make_qkv(2, 4, 2, lq, lk, 64, dtype=dtype, device=device, seed=16)
-    bands = [("causal", patterns.causal(lq, lk, block_size=block_size, device=device))]
-    if lq == lk:
-        bands += [
-            ("window", patterns.sliding_window(lq, 100, block_size=block_size, device=device)),
-            ("window causal", patterns.sliding_window(lq, 70, causal=True, block_size=block_size, device=device)),
-        ]
-    for name, mask in bands:
-        assert _band_window(mask) is not None and _band_window(mask.to(device)) is not None, name
-        out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
-        tab_out, tab_lse = _run_block_sparse(q, k, v, mask, q.shape[-1] ** -0.5)
-        gold = check_attention(out, lse, q, k, v, mask=mask.to_dense().to(device), name=f"{name} (window)")
-        check_close(f"{name}: window vs tables", out, gold, tab_out, dtype=dtype)
-        assert torch.equal(torch.isneginf(lse), torch.isneginf(tab_lse))
-    combined = bands[0][1] | patterns.global_tokens(lq, [0], block_size=block_size, device=device) if lq == lk else None
-    assert combined is None or _band_window(combined) is None, "a union is no longer a band"
-
-
 @pytest.mark.parametrize("block_size", [64, 128, (128, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_permuting_kv_blocks_with_mask_columns(dtype, block_size, device):
