@@ -160,12 +160,14 @@ class BlockSparseMask:
         return self.kv_num_blocks.device
 
     def to(self, device: torch.device | str) -> BlockSparseMask:
-        return BlockSparseMask(
+        moved = BlockSparseMask(
             *(t.to(device) for t in self._tensors()),
             seq_lengths=self.seq_lengths,
             block_size=self.block_size,
             validate=False,
         )
+        moved._order = None if self._order is None else self._order.to(device)
+        return moved
 
     def _tensors(self):
         return (self.kv_num_blocks, self.kv_indices, self.kv_partial, self.partial_masks)
