@@ -2,7 +2,7 @@
 // (NaN above everything), ties at the threshold going to the lower index, written ascending.
 //
 // Scores map to order-preserving 32-bit keys. Long rows with moderate k read the row about once:
-//   1. a sample (contiguous runs, about 1/16 of the row) is copied to shared memory and its
+//   1. a sample (contiguous runs, 1/16 of the row or less) is copied to shared memory and its
 //      quantile gives a threshold that about 1.4 k keys of the row should pass;
 //   2. one read of the row copies every key at or above it, with its index, into shared memory:
 //      each warp its own contiguous segment of the row, in order, into its own region;
@@ -22,9 +22,11 @@ constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kSelectBits = 11;  // first digit: the top 11 bits
 constexpr int kSelectBins = 1 << kSelectBits;
-constexpr int kSelectPerWarp = 1024;  // a warp's region of candidates (the sampled path)
+// A warp's region of candidates (the sampled path). 512 keeps the CTA at about 41 KiB of shared
+// memory: 5 CTAs per SM (1024 would allow 3).
+constexpr int kSelectPerWarp = 512;
 constexpr int kSelectCandidates = kSelectWarps * kSelectPerWarp;
-constexpr int kSampleRun = 128;  // the sample: runs of 128 keys, at most 64 of them
+constexpr int kSampleRun = 128;  // the sample: runs of 128 keys, at most 32 of them
 constexpr int kSampleRuns = kSelectCandidates / kSampleRun;
 
 // Order-preserving map of a float score to an unsigned key (larger score, larger key).
@@ -427,7 +429,8 @@ __device__ inline bool radix_select_sampled(const float* s, int nv, int kk, int3
 // out[0, kk) = the selection over s[0, nv) (0 < kk < nv); every thread of the CTA calls it.
 __device__ inline void radix_select(const float* s, int nv, int kk, int32_t* out, SelectSmem& sm) {
   // The sampled path wants a sample much larger than its target and candidates that fit with room.
-  if (nv >= 8192 && int64_t(kk) * 7 / 5 <= kSelectCandidates / 2 && radix_select_sampled(s, nv, kk, out, sm)) return;
+  if (nv >= 8192 && int64_t(kk) * 7 / 5 <= kSelectCandidates * 3 / 4 && radix_select_sampled(s, nv, kk, out, sm))
+    return;
   __syncthreads();
   radix_select_binned(s, nv, kk, out, sm);
 }
