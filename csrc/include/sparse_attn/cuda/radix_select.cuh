@@ -110,7 +110,8 @@ __device__ __forceinline__ void for_segment(const float* s, int begin, int end, 
       uint32_t u[4];
       bool ok[4];
       if (j0 + 3 < end) {
-        u[0] = order_key(x[r].x), u[1] = order_key(x[r].y), u[2] = order_key(x[r].z), u[3] = order_key(x[r].w);
+        u[0] = order_key(x[r].x), u[1] = order_key(x[r].y), u[2] = order_key(x[r].z),
+        u[3] = order_key(x[r].w);
         ok[0] = ok[1] = ok[2] = ok[3] = true;
       } else {
 #pragma unroll
@@ -222,7 +223,7 @@ __device__ inline void radix_select_binned(const float* s, int nv, int kk, int32
   if (tid < kSelectWarps) sm.seg_gt[tid] = sm.seg_eq[tid] = 0;
   if (tid == 0) sm.n_cand = 0;
   __syncthreads();
-  for_segment(s, begin, end, [&](int, const uint32_t(&u)[4], const bool(&ok)[4]) {
+  for_segment(s, begin, end, [&](int, const uint32_t (&u)[4], const bool (&ok)[4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) hist_add(sm.hist, u[e] >> (32 - kSelectBits), ok[e]);
   });
@@ -239,7 +240,7 @@ __device__ inline void radix_select_binned(const float* s, int nv, int kk, int32
 
   // 2. The bin's keys to shared memory; keys above the bin counted per segment.
   int above = 0;
-  for_segment(s, begin, end, [&](int j0, const uint32_t(&u)[4], const bool(&ok)[4]) {
+  for_segment(s, begin, end, [&](int j0, const uint32_t (&u)[4], const bool (&ok)[4]) {
     bool any = false;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -277,8 +278,10 @@ __device__ inline void radix_select_binned(const float* s, int nv, int kk, int32
   for (int c = tid; c < m; c += kSelectThreads) {
     const uint32_t u = sm.cand_key[c];
     const int w = sm.cand_idx[c] / seg;
-    if (u > threshold) atomicAdd(&sm.seg_gt[w], 1);
-    else if (u == threshold) atomicAdd(&sm.seg_eq[w], 1);
+    if (u > threshold)
+      atomicAdd(&sm.seg_gt[w], 1);
+    else if (u == threshold)
+      atomicAdd(&sm.seg_eq[w], 1);
   }
   __syncthreads();
   if (tid == 0) {
@@ -296,7 +299,7 @@ __device__ inline void radix_select_binned(const float* s, int nv, int kk, int32
   // 4. Ascending write: each warp its own segment, from its offset.
   int pos = sm.seg_base[warp], eq_seen = 0;
   const int quota = sm.seg_ties[warp];
-  for_segment(s, begin, end, [&](int j0, const uint32_t(&u)[4], const bool(&ok)[4]) {
+  for_segment(s, begin, end, [&](int j0, const uint32_t (&u)[4], const bool (&ok)[4]) {
     int n_eq = 0;
 #pragma unroll
     for (int e = 0; e < 4; ++e) n_eq += ok[e] && u[e] == threshold;
@@ -332,7 +335,8 @@ __device__ inline bool radix_select_sampled(const float* s, int nv, int kk, int3
   for (int r = warp; r < runs; r += kSelectWarps) {
     const int j0 = r * stride + 4 * lane;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sm.cand_key[r * kSampleRun + 4 * lane + e] = j0 + e < nv ? order_key(s[j0 + e]) : 0u;
+    for (int e = 0; e < 4; ++e)
+      sm.cand_key[r * kSampleRun + 4 * lane + e] = j0 + e < nv ? order_key(s[j0 + e]) : 0u;
   }
   if (tid < kSelectWarps) sm.seg_cand[tid] = 0;
   if (tid == 0) sm.overflow = 0;
@@ -353,7 +357,7 @@ __device__ inline bool radix_select_sampled(const float* s, int nv, int kk, int3
   int* ridx = sm.cand_idx + warp * kSelectPerWarp;
   int filled = 0;
   bool full = false;
-  for_segment(s, begin, end, [&](int j0, const uint32_t(&u)[4], const bool(&ok)[4]) {
+  for_segment(s, begin, end, [&](int j0, const uint32_t (&u)[4], const bool (&ok)[4]) {
     if (full) return;  // warp-uniform
     int n = 0;
 #pragma unroll
@@ -417,7 +421,8 @@ __device__ inline bool radix_select_sampled(const float* s, int nv, int kk, int3
     const uint32_t u = c < mine ? rkey[c] : 0u;
     const bool is_eq = c < mine && u == threshold;
     const unsigned eqs = __ballot_sync(0xffffffffu, is_eq);
-    const bool take = c < mine && (u > threshold || (is_eq && ties_seen + __popc(eqs & ((1u << lane) - 1u)) < quota));
+    const bool take =
+        c < mine && (u > threshold || (is_eq && ties_seen + __popc(eqs & ((1u << lane) - 1u)) < quota));
     const unsigned takes = __ballot_sync(0xffffffffu, take);
     if (take) out[pos + __popc(takes & ((1u << lane) - 1u))] = ridx[c];
     pos += __popc(takes);
@@ -429,7 +434,8 @@ __device__ inline bool radix_select_sampled(const float* s, int nv, int kk, int3
 // out[0, kk) = the selection over s[0, nv) (0 < kk < nv); every thread of the CTA calls it.
 __device__ inline void radix_select(const float* s, int nv, int kk, int32_t* out, SelectSmem& sm) {
   // The sampled path wants a sample much larger than its target and candidates that fit with room.
-  if (nv >= 8192 && int64_t(kk) * 7 / 5 <= kSelectCandidates * 3 / 4 && radix_select_sampled(s, nv, kk, out, sm))
+  if (nv >= 8192 && int64_t(kk) * 7 / 5 <= kSelectCandidates * 3 / 4 &&
+      radix_select_sampled(s, nv, kk, out, sm))
     return;
   __syncthreads();
   radix_select_binned(s, nv, kk, out, sm);

@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
   auto sK = [&](int stage) { return sQ + L::kQBytes + stage * 2 * L::kKVBytes; };
   auto sV = [&](int stage) { return sK(stage) + L::kKVBytes; };
 
-  const int32_t* idx =
-      p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride + int64_t(i) * p.idx_row_stride;
+  const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
+                       int64_t(i) * p.idx_row_stride;
   const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride +
                      int64_t(i) * p.q_row_stride;
   const Element* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
@@ -88,8 +88,10 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
       const int u = r0 + s * kRowsPerStep;
       const int j = __shfl_sync(0xffffffffu, jl, u);
       const bool ok = col_ok && j >= 0 && j < p.lk;
-      cp_async_16(sK(stage) + swz<kChunks>(u, c), ok ? k + int64_t(j) * p.k_row_stride + c * 8 : k, ok ? 16 : 0);
-      cp_async_16(sV(stage) + swz<kChunks>(u, c), ok ? v + int64_t(j) * p.v_row_stride + c * 8 : v, ok ? 16 : 0);
+      cp_async_16(sK(stage) + swz<kChunks>(u, c), ok ? k + int64_t(j) * p.k_row_stride + c * 8 : k,
+                  ok ? 16 : 0);
+      cp_async_16(sV(stage) + swz<kChunks>(u, c), ok ? v + int64_t(j) * p.v_row_stride + c * 8 : v,
+                  ok ? 16 : 0);
     }
     cp_async_commit();
   };
@@ -192,7 +194,8 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
     if (t == 0 && r < group) p.lse[(int64_t(b) * p.h + h0 + r) * p.lq + i] = lse;
   }
   __syncwarp();
-  Element* o = static_cast<Element*>(p.o) + b * p.o_batch_stride + h0 * p.o_head_stride + int64_t(i) * p.o_row_stride;
+  Element* o =
+      static_cast<Element*>(p.o) + b * p.o_batch_stride + h0 * p.o_head_stride + int64_t(i) * p.o_row_stride;
 #pragma unroll
   for (int s = 0; s < kGatherMmaRows / kRowsPerStep; ++s) {
     const int r = r0 + s * kRowsPerStep;

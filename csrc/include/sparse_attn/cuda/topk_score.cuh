@@ -51,7 +51,8 @@ __device__ __forceinline__ void load_rows(uint32_t smem, RowPtr row_ptr, const E
 }
 
 template <ScalarKind kDtype, int kDim>
-__global__ void __launch_bounds__(kScoreThreads) topk_score_kernel(__grid_constant__ const TopkSelectParams p) {
+__global__ void __launch_bounds__(kScoreThreads)
+    topk_score_kernel(__grid_constant__ const TopkSelectParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Element = typename ElementOf<kDtype>::type;
   using L = ScoreLayout<kDim>;
@@ -76,7 +77,8 @@ __global__ void __launch_bounds__(kScoreThreads) topk_score_kernel(__grid_consta
     nv = last < 0 ? 0 : (last < p.lk ? last : p.lk);
   }
   const int n_kt = int((nv + kBN - 1) / kBN);
-  const int kt_begin = int(int64_t(n_kt) * split / p.n_splits), kt_end = int(int64_t(n_kt) * (split + 1) / p.n_splits);
+  const int kt_begin = int(int64_t(n_kt) * split / p.n_splits),
+            kt_end = int(int64_t(n_kt) * (split + 1) / p.n_splits);
   if (kt_begin >= kt_end) return;
 
   const uint32_t sK = smem_u32(smem);
@@ -88,18 +90,25 @@ __global__ void __launch_bounds__(kScoreThreads) topk_score_kernel(__grid_consta
   if (p.indexer) {
     kbase = static_cast<const Element*>(p.ik) + b * p.ik_batch_stride;
     k_row_stride = p.ik_row_stride;
-    const Element* iq = static_cast<const Element*>(p.iq) + b * p.iq_batch_stride + int64_t(m0) * p.iq_row_stride;
+    const Element* iq =
+        static_cast<const Element*>(p.iq) + b * p.iq_batch_stride + int64_t(m0) * p.iq_row_stride;
     for (int j = 0; j < heads; ++j)
-      load_rows<kDim, kBM>(sQ + j * L::kTileBytes, [&](int r) -> const Element* {
-        return r < rows ? iq + r * p.iq_row_stride + j * p.iq_head_stride : nullptr;
-      }, iq, d_valid, tid);
-    const Element* iw = static_cast<const Element*>(p.iw) + b * p.iw_batch_stride + int64_t(m0) * p.iw_row_stride;
+      load_rows<kDim, kBM>(
+          sQ + j * L::kTileBytes,
+          [&](int r) -> const Element* {
+            return r < rows ? iq + r * p.iq_row_stride + j * p.iq_head_stride : nullptr;
+          },
+          iq, d_valid, tid);
+    const Element* iw =
+        static_cast<const Element*>(p.iw) + b * p.iw_batch_stride + int64_t(m0) * p.iw_row_stride;
     for (int x = tid; x < kBM * heads; x += kScoreThreads) {
       const int r = x / heads, j = x % heads;
       float w = 0.f;
       if (r < rows) {
-        if constexpr (kDtype == ScalarKind::kBFloat16) w = __bfloat162float(iw[r * p.iw_row_stride + j]);
-        else w = __half2float(iw[r * p.iw_row_stride + j]);
+        if constexpr (kDtype == ScalarKind::kBFloat16)
+          w = __bfloat162float(iw[r * p.iw_row_stride + j]);
+        else
+          w = __half2float(iw[r * p.iw_row_stride + j]);
       }
       sW[x] = w;
     }
@@ -109,14 +118,18 @@ __global__ void __launch_bounds__(kScoreThreads) topk_score_kernel(__grid_consta
     k_row_stride = p.k_row_stride;
     const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride +
                        int64_t(m0) * p.q_row_stride;
-    load_rows<kDim, kBM>(sQ, [&](int r) -> const Element* { return r < rows ? q + r * p.q_row_stride : nullptr; },
-                         q, d_valid, tid);
+    load_rows<kDim, kBM>(
+        sQ, [&](int r) -> const Element* { return r < rows ? q + r * p.q_row_stride : nullptr; }, q, d_valid,
+        tid);
   }
   auto load_k = [&](int stage, int kt) {
     const int n0 = kt * kBN;
-    load_rows<kDim, kBN>(sK + stage * L::kKBytes, [&](int r) -> const Element* {
-      return n0 + r < p.lk ? kbase + int64_t(n0 + r) * k_row_stride : nullptr;
-    }, kbase, d_valid, tid);
+    load_rows<kDim, kBN>(
+        sK + stage * L::kKBytes,
+        [&](int r) -> const Element* {
+          return n0 + r < p.lk ? kbase + int64_t(n0 + r) * k_row_stride : nullptr;
+        },
+        kbase, d_valid, tid);
   };
   load_k(0, kt_begin);
   cp_async_commit();
@@ -181,7 +194,8 @@ __global__ void __launch_bounds__(kScoreThreads) topk_score_kernel(__grid_consta
 #pragma unroll
           for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[ni][e] = fmaf(e < 2 ? w0 : w1, fmaxf(s[jj][ni][e], 0.f), acc[ni][e]);
+            for (int e = 0; e < 4; ++e)
+              acc[ni][e] = fmaf(e < 2 ? w0 : w1, fmaxf(s[jj][ni][e], 0.f), acc[ni][e]);
         }
       }
       // Columns n and n + 1 of rows row_lo and row_lo + 8 (the workspace stride is a multiple of 4).
