@@ -185,6 +185,21 @@ __device__ inline void radix_select_plain(const float* s, int nv, int kk, int32_
   }
 }
 
+// Thread 0: each warp's output offset and its share of the `ties` keys equal to the threshold (the
+// lowest-indexed first, so earlier segments first), from the per-segment counts of keys above the
+// threshold (seg_above + seg_gt) and at it (seg_eq). The caller synchronises before and after.
+__device__ __forceinline__ void segment_offsets(int ties, SelectSmem& sm) {
+  if (threadIdx.x != 0) return;
+  int base = 0;
+  for (int w = 0; w < kSelectWarps; ++w) {
+    const int t = min(ties, sm.seg_eq[w]);
+    ties -= t;
+    sm.seg_ties[w] = t;
+    sm.seg_base[w] = base;
+    base += sm.seg_above[w] + sm.seg_gt[w] + t;
+  }
+}
+
 // The `need`-th largest key over keys in shared memory, digit by digit: rounds of 11 + 11 + 10
 // bits from the top, starting at `round0` with the digits of the earlier rounds in `prefix` (only
 // keys matching them count); each_key(f) calls f(key) for the keys this thread owns. Returns the
@@ -284,16 +299,7 @@ __device__ inline void radix_select_binned(const float* s, int nv, int kk, int32
       atomicAdd(&sm.seg_eq[w], 1);
   }
   __syncthreads();
-  if (tid == 0) {
-    int base = 0, ties_left = need;
-    for (int w = 0; w < kSelectWarps; ++w) {
-      const int t = min(ties_left, sm.seg_eq[w]);
-      ties_left -= t;
-      sm.seg_ties[w] = t;
-      sm.seg_base[w] = base;
-      base += sm.seg_above[w] + sm.seg_gt[w] + t;
-    }
-  }
+  segment_offsets(need, sm);
   __syncthreads();
 
   // 4. Ascending write: each warp its own segment, from its offset.
@@ -399,18 +405,9 @@ __device__ inline bool radix_select_sampled(const float* s, int nv, int kk, int3
   int gt_total, eq_total;
   warp_exclusive_sum(gt, gt_total);
   warp_exclusive_sum(eq, eq_total);
-  if (lane == 0) sm.seg_gt[warp] = gt_total, sm.seg_eq[warp] = eq_total;
+  if (lane == 0) sm.seg_above[warp] = 0, sm.seg_gt[warp] = gt_total, sm.seg_eq[warp] = eq_total;
   __syncthreads();
-  if (tid == 0) {
-    int base = 0, ties_left = need;
-    for (int w = 0; w < kSelectWarps; ++w) {
-      const int t = min(ties_left, sm.seg_eq[w]);
-      ties_left -= t;
-      sm.seg_ties[w] = t;
-      sm.seg_base[w] = base;
-      base += sm.seg_gt[w] + t;
-    }
-  }
+  segment_offsets(need, sm);
   __syncthreads();
 
   // 4. Each warp writes its taken candidates, in order, from its offset.
