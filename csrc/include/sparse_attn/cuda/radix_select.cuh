@@ -203,13 +203,14 @@ __device__ __forceinline__ void segment_offsets(int ties, SelectSmem& sm) {
 // The `need`-th largest key over keys in shared memory, digit by digit: rounds of 11 + 11 + 10
 // bits from the top, starting at `round0` with the digits of the earlier rounds in `prefix` (only
 // keys matching them count); each_key(f) calls f(key) for the keys this thread owns. Returns the
-// key; `need` becomes the number of keys equal to it to take.
+// key; `need` becomes the number of keys equal to it to take. With round_end < 3 it stops early:
+// the key's low bits are then 0 (a lower bound of the key, all that the sample's threshold needs).
 template <typename EachKey>
 __device__ __forceinline__ uint32_t refine_threshold(EachKey each_key, uint32_t prefix, int round0, int& need,
-                                                     SelectSmem& sm) {
+                                                     SelectSmem& sm, int round_end = 3) {
   constexpr int kShift[3] = {21, 10, 0}, kBinsOf[3] = {2048, 2048, 1024};
   uint32_t known = round0 == 0 ? 0u : ~0u << kShift[round0 - 1];
-  for (int round = round0; round < 3; ++round) {
+  for (int round = round0; round < round_end; ++round) {
     const int shift = kShift[round], nbins = kBinsOf[round];
     for (int x = threadIdx.x; x < nbins; x += kSelectThreads) sm.hist[x] = 0;
     __syncthreads();
@@ -335,7 +336,7 @@ __device__ inline void radix_select_binned(const float* s, int nv, int kk, int32
 __device__ inline bool radix_select_sampled(const float* s, int nv, int kk, int32_t* out, SelectSmem& sm) {
   const int tid = threadIdx.x, warp = tid / 32, lane = lane_id();
   // 1. The sample: runs of kSampleRun keys every `stride` keys; its threshold T0 is the key that
-  //    about 1.4 kk keys of the row should reach.
+  //    about 1.4 kk keys of the row should reach (its top 22 bits: finer would not change much).
   const int stride = max(2048, ((nv + kSampleRuns - 1) / kSampleRuns + 3) / 4 * 4);
   const int runs = (nv + stride - 1) / stride;
   for (int r = warp; r < runs; r += kSelectWarps) {
@@ -354,7 +355,7 @@ __device__ inline bool radix_select_sampled(const float* s, int nv, int kk, int3
       [&](auto f) {
         for (int c = tid; c < sampled; c += kSelectThreads) f(sm.cand_key[c]);
       },
-      0u, 0, need, sm);
+      0u, 0, need, sm, 2);
 
   // 2. Every key >= T0, with its index, into the warp's region, in the order of the row.
   const int seg = ((nv + kSelectWarps - 1) / kSelectWarps + 3) / 4 * 4;
