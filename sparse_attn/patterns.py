@@ -345,7 +345,6 @@ class _Plan(NamedTuple):
 
     seq_lengths: tuple[int, int]
     bs: int
-    heads: int
     width: int  # the widest row: the width of kv_indices
     two_step: bool  # the table takes two lookups
     buffer: np.ndarray
@@ -415,13 +414,13 @@ def _row_lists(runs: _Runs, lut: list[np.ndarray], counts: np.ndarray, nk: int) 
     return out + ([runs.full_rows, full, full_state] if full.size else [])
 
 
-def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, random=None, runs=None) -> _Plan:
+def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, runs=None) -> _Plan:
     """Plan of the block table ``state[diag_cls[coord_q[qb] + coord_k[kb]], rows[qb], cols[kb]]``
     (``coord``: the diagonal's coordinate split into a query and a key part), with the partial
-    blocks' ``bits``, each row's number of key blocks ``counts`` (H|1, nq), and full random key
-    blocks ``random`` (H, nq, k) or None. One lookup step unless its table would exceed
-    ``_LUT_MAX`` entries. With ``runs`` (_Runs) the rows' key blocks are known without the table,
-    which _realise then looks up only where a row lists a block."""
+    blocks' ``bits`` and each row's number of key blocks ``counts`` (H|1, nq). One lookup step
+    unless its table would exceed ``_LUT_MAX`` entries. With ``runs`` (_Runs, which also carries
+    BigBird's random blocks) the rows' key blocks are known without the table, which _realise then
+    looks up only where a row lists a block."""
     kd, nr, nc = state.shape
     rc = nr * nc
     if kd == 1:
@@ -430,7 +429,7 @@ def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, random=
         lut = [state[diag_cls].ravel(), coord[0] * rc + rows * nc, coord[1] * rc + cols]
     else:
         lut = [state.ravel(), rows * nc, cols, diag_cls * rc, coord[0], coord[1]]
-    arrays = [*lut, bits, counts, np.arange(cols.size)] + ([] if random is None else [random])
+    arrays = [*lut, bits, counts, np.arange(cols.size)]
     # The attention's CTA schedule (ops._schedule), from the host's row counts.
     weights = counts.max(0)
     arrays.append(np.append(np.argsort(-weights, kind="stable"), int((weights > 2 * weights.mean()).sum())))
@@ -441,7 +440,7 @@ def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, random=
         extra = (len(lists), lists[0].shape[-1])
     buffer = np.concatenate([x.ravel() for x in arrays]).astype(np.int32)
     shapes = tuple(x.shape for x in arrays)
-    return _Plan(lengths, bs, counts.shape[0], int(counts.max()), len(lut) == 6, buffer, shapes, *extra)
+    return _Plan(lengths, bs, int(counts.max()), len(lut) == 6, buffer, shapes, *extra)
 
 
 _PINNED: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
@@ -461,7 +460,9 @@ def _pinned(plan: _Plan) -> torch.Tensor:
 
 def _realise(plan: _Plan, dev: torch.device, compact: bool = False) -> BlockSparseMask:
     """The mask of a plan on ``dev``: one host-to-device copy and about a dozen device ops, none of
-    which waits for the device (``compact`` merges identical partial blocks: one sync)."""
+    which waits for the device (``compact`` merges identical partial blocks: one sync). Plans with
+    row lists take them (_realise_lists) unless ``compact``; only band plans are realised compact, and
+    union plans (whose random blocks live only in their row lists) never are."""
     flat = torch.from_numpy(plan.buffer)
     flat = _pinned(plan).to(dev, non_blocking=True) if dev.type == "cuda" else flat.to(dev, copy=True)
     ends = list(itertools.accumulate(math.prod(s) for s in plan.shapes))
@@ -479,17 +480,13 @@ def _realise(plan: _Plan, dev: torch.device, compact: bool = False) -> BlockSpar
         return mask
     parts = [part(i) for i in range(n - plan.row_lists - 1)]
     if plan.two_step:
-        lut, a, b, diag_lut, ca, cb, bits, counts, positions, *random = parts
+        lut, a, b, diag_lut, ca, cb, bits, counts, positions = parts
         table = lut[diag_lut[ca[:, None] + cb] + (a[:, None] + b)]
     else:
-        lut, a, b, bits, counts, positions, *random = parts
+        lut, a, b, bits, counts, positions = parts
         table = lut[a[:, None] + b]
-    nq, nk = table.shape
+    nk = table.shape[-1]
     table = table[None, None]
-    if random:
-        if plan.heads > 1:
-            table = table.expand(1, plan.heads, nq, nk).clone()
-        table.scatter_(-1, random[0].long()[None], _FULL)
     lengths, block_size = plan.seq_lengths, (plan.bs, plan.bs)
     if compact:
         mask = BlockSparseMask._from_table(table, bits, lengths, block_size, max_kv_blocks=plan.width)
