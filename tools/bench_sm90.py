@@ -67,6 +67,12 @@ def run_case(args, dtype, d, causal, L, flex, dev):
             lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_PINGPONG="0"
         ),
         "portable": with_env(lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90="0"),
+        "pingpong": with_env(
+            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_PINGPONG="1"
+        ),
+        "per-tile-grid": with_env(
+            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_SCHED="grid"
+        ),
     }
     res = [tf(time_ms(ours[name], dev)) for name in args.variants]
 

@@ -40,6 +40,13 @@ for d in (64, 128):
     for causal in (False, True):
         sparse_attn.flash_attention(q, k, v, causal=causal)
     sparse_attn.block_sparse_attention(q, k, v, patterns.longformer(700, 150, [0, 400], device=dev))
+# More query tiles than SMs: the Hopper core's persistent CTAs run several tiles each, static
+# (full) and from the dynamic counter (causal, block-sparse with empty rows).
+for d in (64, 128):
+    q, k, v = (torch.randn(1, 48, 600, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    for causal in (False, True):
+        sparse_attn.flash_attention(q, k, v, causal=causal)
+    sparse_attn.block_sparse_attention(q, k, v, patterns.random_blocks(600, 0.3, seed=1, heads=48, device=dev))
 iq = torch.randn(2, 100, 4, 64, device=dev, dtype=torch.bfloat16)
 ik = torch.randn(2, 100, 64, device=dev, dtype=torch.bfloat16)
 iw = torch.randn(2, 100, 4, device=dev, dtype=torch.bfloat16)

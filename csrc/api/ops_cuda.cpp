@@ -1,5 +1,6 @@
 // CUDA backend: checks, device guard, current stream, params, dispatch to the kernels.
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -58,9 +59,18 @@ void launch_flash(const AttnFwdParams& params, const QkvShape& s, const char* wh
                                                                                                         stream);
   } else {
     check_grid(s, flash_fwd_tile(padded_head_dim(params.d), kVariant).block_m);
-    err = SA_HALF_DTYPE_SWITCH(params.dtype, kDtype, [&] {
-      return SA_HEADDIM_SWITCH(padded_head_dim(params.d), kHeadDim,
-                               [&] { return run_flash_fwd_<kDtype, kHeadDim, kVariant>(params, stream); });
+    // The Hopper kernel's dynamic tile scheduler counts from zero (a stream-ordered allocation,
+    // freed back to the same stream once the launch is queued).
+    AttnFwdParams p = params;
+    at::Tensor counter;
+    if (flash_sm90_dynamic_schedule(p, kVariant)) {
+      counter = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
+      C10_CUDA_CHECK(cudaMemsetAsync(counter.data_ptr(), 0, sizeof(int32_t), stream));
+      p.tile_counter = counter.data_ptr<int32_t>();
+    }
+    err = SA_HALF_DTYPE_SWITCH(p.dtype, kDtype, [&] {
+      return SA_HEADDIM_SWITCH(padded_head_dim(p.d), kHeadDim,
+                               [&] { return run_flash_fwd_<kDtype, kHeadDim, kVariant>(p, stream); });
     });
   }
   check_launch(err, what);

@@ -73,6 +73,23 @@ bool flash_sm90_eligible(const AttnFwdParams& p, Variant variant) {
 #endif
 }
 
+bool flash_sm90_dynamic_schedule(const AttnFwdParams& p, Variant variant) {
+  const bool uneven = variant == Variant::kBlockSparse || p.window_left >= 0 || p.window_right >= 0;
+  return uneven && flash_sm90_eligible(p, variant);
+}
+
+int current_device_sm_count() {
+  static int cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1;
+  if (cache[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) return 1;
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
+
 cudaError_t encode_bhld_tma(CUtensorMap* map, const void* base, int elem_bytes, int d, int rows, int heads,
                             int batch, int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows) {
   const EncodeTiledFn encode = encode_tiled();

@@ -60,6 +60,11 @@ struct AttnFwdParams {
   // leading ones that run across every (batch, head) before the rest; nullptr = the default order.
   const int32_t* __restrict__ q_block_order;  // (nQb + 1,), int32
 
+  // ---- Hopper core scheduling ----
+  // Optional zeroed int32 in device memory: CTAs of the persistent Hopper kernel take their next
+  // query tile from it (atomicAdd), in tile_of_cta's order. nullptr: a static round-robin.
+  int32_t* tile_counter;
+
   // ---- gather (top-k) attention only ----
   const int32_t* __restrict__ indices;  // (B, Hi, Lq, topk), int32; -1 (or out of range) = no key
   int64_t idx_batch_stride, idx_head_stride, idx_row_stride;

@@ -41,14 +41,17 @@ SA_HD uint64_t bit_range(int64_t lo, int64_t hi) {
 // time in the listed order, so that the CTAs in flight share one head's K/V in L2. Each query
 // block is split into q_block / kBlockM tiles. Returns false for a tile past the end of the
 // queries (the grid is rounded up to whole blocks) or for an out-of-range entry.
-template <int kBlockM>
-SA_HD bool tile_of_cta(const AttnFwdParams& p, int64_t cta, int& bh, int& m_block) {
+// Index: the integer type of the arithmetic (int where the caller knows num_ctas fits in it,
+// which spares 64-bit divisions; int64_t otherwise).
+template <int kBlockM, typename Index>
+SA_HD bool tile_of_cta(const AttnFwdParams& p, Index cta, int& bh, int& m_block) {
+  static_assert(Index(-1) < Index(0), "tile_of_cta needs a signed index");
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
   if (p.q_block_order == nullptr) {
     if (p.window_left < 0 && p.window_right >= 0) {
       // Causal: heaviest tiles of every (batch, head) first, so the last wave holds the
       // lightest tiles; the K/V of all heads share L2 across the wave.
-      const int64_t bhs = int64_t(p.b) * p.h;
+      const Index bhs = Index(p.b) * p.h;
       bh = int(cta % bhs);
       m_block = num_m - 1 - int(cta / bhs);
     } else {
@@ -58,18 +61,18 @@ SA_HD bool tile_of_cta(const AttnFwdParams& p, int64_t cta, int& bh, int& m_bloc
     return true;
   }
   const int nqb = p.num_q_blocks, sub = p.q_block / kBlockM;
-  const int64_t bhs = int64_t(p.b) * p.h;
+  const Index bhs = Index(p.b) * p.h;
   int heavy = p.q_block_order[nqb];
   heavy = heavy < 0 ? 0 : (heavy > nqb ? nqb : heavy);
-  const int64_t heavy_ctas = int64_t(heavy) * sub * bhs;
+  const Index heavy_ctas = Index(heavy) * sub * bhs;
   int pos, part;
   if (cta < heavy_ctas) {
     pos = int(cta / (sub * bhs));
-    const int64_t r = cta % (sub * bhs);
+    const Index r = cta % (sub * bhs);
     bh = int(r / sub);
     part = int(r % sub);
   } else {
-    const int64_t per_head = int64_t(nqb - heavy) * sub, c = cta - heavy_ctas;
+    const Index per_head = Index(nqb - heavy) * sub, c = cta - heavy_ctas;
     bh = int(c / per_head);
     pos = heavy + int((c % per_head) / sub);
     part = int(c % sub);

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // mma accumulator: rows g and g + 8, columns 2t, 2t + 1
   int bh, m_block;
-  if (!tile_of_cta<kBlockM>(p, blockIdx.x, bh, m_block)) return;
+  if (!tile_of_cta<kBlockM>(p, int64_t(blockIdx.x), bh, m_block)) return;
   const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
   const int m0 = m_block * kBlockM;
   const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +

@@ -51,6 +51,13 @@ cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream
 // strides multiples of 8 elements, head dim <= 128, 128 x 128 mask blocks for block-sparse).
 bool flash_sm90_eligible(const AttnFwdParams& params, Variant variant);
 
+// True when the Hopper kernel will run and its tiles are uneven (causal, windowed, block-sparse):
+// the caller then passes a zeroed tile_counter, so CTAs take tiles dynamically (heaviest first).
+bool flash_sm90_dynamic_schedule(const AttnFwdParams& params, Variant variant);
+
+// Number of SMs of the current device (cached): the persistent Hopper grid.
+int current_device_sm_count();
+
 // fp32 inputs (any head dim up to 256): exact fp32 arithmetic on the CUDA cores.
 template <Variant kVariant>
 cudaError_t run_flash_fwd_fp32_(const AttnFwdParams& params, cudaStream_t stream);

@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(128) flash_fwd_fp32_kernel(__grid_constant__ c
   static_assert(kBlockN == 32 && kBlockM == 4 * kFp32RowsPerWarp);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int bh, m_block;
-  if (!tile_of_cta<kBlockM>(p, blockIdx.x, bh, m_block)) return;
+  if (!tile_of_cta<kBlockM>(p, int64_t(blockIdx.x), bh, m_block)) return;
   const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
   const int row0 = m_block * kBlockM + warp * kFp32RowsPerWarp;
   const float* k = static_cast<const float*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;

@@ -2,9 +2,12 @@
 // iterators as flash_fwd.cuh, on the Hopper machinery.
 //
 // Persistent CTAs, one per SM, each running query tiles of kBlockM rows of one (batch, head) in
-// turn. Warpgroup 0 is the producer: one thread issues TMA copies of Q (one buffer, reloaded once
-// the consumers are done with it) and of K and V tiles into a kStages-deep ring
-// of shared-memory buffers, each buffer with a "full" mbarrier (TMA transaction bytes) and an
+// turn. Warpgroup 0 is the producer: one thread takes the CTA's next tile (from a global atomic
+// counter in tile_of_cta's heaviest-first order, or round-robin when there is none) and hands it
+// to the consumers through a 2-entry ring in shared memory, and issues TMA copies of Q (one
+// buffer, reloaded as soon as the tile's last Q K^T is done, so the next tile's Q lands under the
+// current tile's last P V and epilogue) and of K and V tiles into a kStages-deep ring of
+// shared-memory buffers, each buffer with a "full" mbarrier (TMA transaction bytes) and an
 // "empty" one (one arrival per consumer warp). It gives most of its registers to the consumers
 // (setmaxnreg). The other warpgroups are consumers, 64 query rows each: S = Q K^T as wgmma with
 // both operands in shared memory, the online softmax in registers (flash_softmax.cuh), O += P V as
@@ -39,6 +42,7 @@ struct FlashSm90Params {
   AttnFwdParams p;
   CUtensorMap tma_q, tma_k, tma_v;
   int pingpong;
+  int32_t* tile_counter;  // zeroed before the launch; nullptr: static round-robin
 };
 
 template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant>
@@ -58,14 +62,18 @@ struct FlashSm90Traits {
   static constexpr int kKVColBytes = kBlockN * 128;  // one 64-column block of a K or V tile
   static constexpr int kQBytes = kColBlocks * kQColBytes;
   static constexpr int kKVBytes = kColBlocks * kKVColBytes;
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
-  static constexpr int kSmemBytes = 1024 + 2 * kQBytes + 2 * kStages * kKVBytes + kBarrierBytes;  // Q, O, K, V
-  // Registers per thread after reallocation: the producer keeps few, the consumers take the rest
-  // (128 * 24 + kConsumers * 128 * kConsumerRegs <= 64K).
-  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static constexpr int kBarriers = 2 + 4 * kStages + 4;  // Q, K/V ring, scheduler ring
+  static constexpr int kSmemBytes = 1024 + 2 * kQBytes + 2 * kStages * kKVBytes;  // Q, O, K, V (dynamic)
+  // Registers per thread after reallocation: the producer keeps few (32: its tile loop does not
+  // spill), the consumers take the rest.
+  static constexpr int kProducerRegs = 32, kConsumerRegs = kConsumers == 2 ? 232 : 160;
   using Tiles = typename TilesOf<kVariant, kBlockM, kBlockN>::type;
   static_assert(kBlockM % 64 == 0 && kTile.warps == 4 * (kConsumers + 1) && kHeadDim % 64 == 0);
-  static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= 65536);
+  // setmaxnreg moves registers within the CTA's launch allocation (ptxas gives the kernel the most
+  // that __launch_bounds__(kNThreads, 1) allows): what the consumers take beyond it must not
+  // exceed what the producer gives back, or setmaxnreg.inc waits forever.
+  static constexpr int kEntryRegs = (65536 / kNThreads) & ~7;
+  static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= kNThreads * kEntryRegs);
 };
 
 template <typename Tr>
@@ -80,13 +88,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
   const uint32_t sO = sQ + Tr::kQBytes;                // output staging, same layout as Q
   const uint32_t sK = sO + Tr::kQBytes;                // kStages K buffers
   const uint32_t sV = sK + kStages * Tr::kKVBytes;     // kStages V buffers
-  const uint32_t bar_q_full = sV + kStages * Tr::kKVBytes, bar_q_empty = bar_q_full + 8;
+  // Barriers and the scheduler ring in static shared memory: their addresses are constants, which
+  // keeps the producer (24 registers) from spilling them.
+  __shared__ alignas(8) uint64_t barriers[Tr::kBarriers];
+  __shared__ int sched_tile[2];
+  const uint32_t bar_q_full = smem_u32(barriers), bar_q_empty = bar_q_full + 8;
   const uint32_t bar_k_full = bar_q_empty + 8, bar_k_empty = bar_k_full + 8 * kStages;
   const uint32_t bar_v_full = bar_k_empty + 8 * kStages, bar_v_empty = bar_v_full + 8 * kStages;
+  const uint32_t bar_sched_full = bar_v_empty + 8 * kStages, bar_sched_empty = bar_sched_full + 16;
   constexpr int kConsumerWarps = 4 * Tr::kConsumers;
-  // Persistent: CTA c runs tiles c, c + gridDim.x, ... of tile_of_cta's order (heaviest first), so
-  // the producer loads the next tile's Q, K and V while the consumers finish the current one.
-  const int64_t num_tiles = num_ctas<kBlockM>(p);
+  // Persistent: CTA c starts with tile c of tile_of_cta's order (heaviest first) and then takes
+  // the next untaken one, so the producer loads the next tile's Q, K and V while the consumers
+  // finish the current one. A tile id >= num_tiles ends the CTA.
+  const int num_tiles = int(num_ctas<kBlockM>(p));  // <= INT_MAX (the launcher checks)
 
   if (threadIdx.x == 0) {
     mbar_init(bar_q_full, 1);
@@ -96,6 +110,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
       mbar_init(bar_v_full + 8 * s, 1);
       mbar_init(bar_k_empty + 8 * s, kConsumerWarps);
       mbar_init(bar_v_empty + 8 * s, kConsumerWarps);
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(bar_sched_full + 8 * s, 1);
+      mbar_init(bar_sched_empty + 8 * s, kConsumerWarps);
     }
     mbar_init_fence();
   }
@@ -109,9 +127,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
       tma_prefetch_desc(&P.tma_k);
       tma_prefetch_desc(&P.tma_v);
       int kv = 0, qn = 0;  // K/V tiles and Q tiles loaded so far: ring positions and phases
-      for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      int tile = blockIdx.x;
+      for (int sn = 0;; ++sn) {
+        // Hand the tile to the consumers (slot sn % 2 of the scheduler ring), then load it.
+        mbar_wait(bar_sched_empty + 8 * (sn & 1), ((sn >> 1) & 1) ^ 1);
+        sched_tile[sn & 1] = tile;
+        mbar_arrive(bar_sched_full + 8 * (sn & 1));
+        if (tile >= num_tiles) break;
         int bh, m_block;
-        if (!tile_of_cta<kBlockM>(p, tile, bh, m_block)) continue;
+        const bool valid = tile_of_cta<kBlockM>(p, tile, bh, m_block);
+        // The next tile (at most num_tiles + gridDim.x - 1 <= 2 * INT_MAX: min keeps it an int).
+        const int64_t next = int64_t(gridDim.x) + (P.tile_counter != nullptr ? atomicAdd(P.tile_counter, 1) : tile);
+        tile = int(min64(next, num_tiles));
+        if (!valid) continue;
         const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
         const typename Tr::Tiles tiles(p, b, h, m_block);
         const int n_tiles = tiles.num_tiles();
@@ -148,11 +176,25 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const uint32_t q_rows = sQ + wg * 64 * 128;  // this warpgroup's 64 rows within each column block
-  const bool pingpong = Tr::kConsumers == 2 && P.pingpong != 0;
   char* smem_o = smem_raw + (sO - smem_u32(smem_raw));
   int kv = 0, qn = 0;
+  // Ping-pong (two consumers): warpgroup w issues its GEMMs after named barrier 5 + w, which the
+  // other warpgroup arrives at after issuing its own, so the two take strict turns, across tile
+  // boundaries too (one warpgroup's epilogue runs under the other's GEMMs). Warpgroup 1 arrives
+  // once up front; warpgroup 0 consumes the one arrival left over at the end.
+  const bool pingpong = Tr::kConsumers == 2 && P.pingpong != 0;
+  if (pingpong && wg == 1) named_barrier_arrive(5, 256);
 
-  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  for (int sn = 0;; ++sn) {
+    mbar_wait(bar_sched_full + 8 * (sn & 1), (sn >> 1) & 1);
+    // Lane 0 reads the slot and releases it; the warp gets the id by shuffle.
+    int tile = 0;
+    if (lane == 0) {
+      tile = sched_tile[sn & 1];
+      mbar_arrive(bar_sched_empty + 8 * (sn & 1));
+    }
+    tile = __shfl_sync(0xffffffffu, tile, 0);
+    if (tile >= num_tiles) break;
     int bh, m_block;
     if (!tile_of_cta<kBlockM>(p, tile, bh, m_block)) continue;
     const int b = bh / p.h, h = bh % p.h;
@@ -207,26 +249,27 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
       __syncwarp();
       if (lane == 0) mbar_arrive(bar + 8 * ((kv + it) % kStages));
     };
-    // Ping-pong (two consumers): warpgroup w issues its GEMMs after named barrier 5 + w, which
-    // the other warpgroup arrives at after issuing its own. Round r of each warpgroup is its r-th
-    // issue of this tile; warpgroup 1 skips its last arrival so that no arrival is left unmatched.
-    const int rounds = n_tiles > 0 ? n_tiles + 1 : 0;
     auto turn_begin = [&]() {
       if (pingpong) named_barrier(5 + wg, 256);
     };
-    auto turn_end = [&](int round) {
-      if (pingpong && (wg == 0 || round + 1 < rounds)) named_barrier_arrive(5 + (1 - wg), 256);
+    auto turn_end = [&]() {
+      if (pingpong) named_barrier_arrive(5 + (1 - wg), 256);
     };
-    if (pingpong && wg == 1 && rounds > 0) named_barrier_arrive(5, 256);
+    // Q may be overwritten (the next tile's) once every warp's last Q K^T of this tile is done.
+    auto release_q = [&]() {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_q_empty);
+    };
 
     if (n_tiles > 0) {
       mbar_wait(bar_q_full, qn & 1);
       turn_begin();
       issue_qk(0);
-      turn_end(0);
+      turn_end();
       wgmma_wait<0>();
       fence_regs(s_flat);
       release(bar_k_empty, 0);
+      if (n_tiles == 1) release_q();
       float alpha[1][2];
       scale_and_mask<kBlockN>(sc, tiles, 0, row_base, t, p.scale_log2);
       online_softmax(sc, row_max, row_sum, alpha);  // O is still zero: nothing to rescale
@@ -238,10 +281,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
       turn_begin();
       issue_qk(it);
       issue_pv(it - 1);
-      turn_end(it);
+      turn_end();
       wgmma_wait<1>();
       fence_regs(s_flat);
       release(bar_k_empty, it);
+      if (it == n_tiles - 1) release_q();
       float alpha[1][2];
       scale_and_mask<kBlockN>(sc, tiles, it, row_base, t, p.scale_log2);
       online_softmax(sc, row_max, row_sum, alpha);
@@ -255,12 +299,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
     if (n_tiles > 0) {
       turn_begin();
       issue_pv(n_tiles - 1);
-      turn_end(n_tiles);
+      turn_end();
       wgmma_wait<0>();
       fence_regs(o_flat);
       fence_regs(pa_flat);
       release(bar_v_empty, n_tiles - 1);
-      if (lane == 0) mbar_arrive(bar_q_empty);  // every Q K^T of this tile is done: the next Q may land
       kv += n_tiles;
       ++qn;
     }
@@ -296,6 +339,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
       }
     }
   }
+  if (pingpong && wg == 0) named_barrier(5, 256);  // warpgroup 1's last arrival
 #else
   __trap();  // not built for sm_90a: the launcher never gets here
 #endif
@@ -310,17 +354,21 @@ cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream
   using Tr = cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant>;
   const int64_t tiles = num_ctas<Tr::kBlockM>(params);
   if (tiles == 0) return cudaSuccess;
-  // One CTA per tile: the hardware's dynamic CTA dispatch balanced causal and block-sparse work
-  // better than a static persistent schedule (docs/PERF_LOG.md); the kernel's tile loop also
-  // runs a persistent grid.
   if (tiles > INT_MAX) return cudaErrorInvalidConfiguration;
-  const int grid = int(tiles);
+  // One persistent CTA per SM. Uneven tiles (causal, windows, block-sparse) come with a zeroed
+  // counter and are taken dynamically; even ones round-robin. SPARSE_ATTN_SM90_SCHED=grid runs
+  // one CTA per tile instead (the hardware's dispatch), for A/B timing.
+  const char* sched = std::getenv("SPARSE_ATTN_SM90_SCHED");
+  const bool per_tile = sched != nullptr && sched[0] == 'g';
+  const int grid = per_tile ? int(tiles) : int(min64(tiles, current_device_sm_count()));
   cuda::FlashSm90Params P;
   P.p = params;
-  // Ping-pong pays at short and medium key lengths (+4-11% at 1k-4k keys) and costs 3-6% at 16k
-  // (docs/PERF_LOG.md); SPARSE_ATTN_SM90_PINGPONG=0/1 overrides, for A/B timing.
+  P.tile_counter = per_tile ? nullptr : params.tile_counter;
+  // Ping-pong: with the persistent grid it pays at every length (docs/PERF_LOG.md; before, with
+  // one CTA per tile, it cost 3-6% at 16k keys). SPARSE_ATTN_SM90_PINGPONG=0 turns it off, for A/B
+  // timing.
   const char* pp = std::getenv("SPARSE_ATTN_SM90_PINGPONG");
-  P.pingpong = pp != nullptr ? pp[0] != '0' : params.lk <= 8192;
+  P.pingpong = pp == nullptr || pp[0] != '0';
   const int elem = 2;
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_q, params.q, elem, params.d, params.lq, params.h, params.b, params.q_row_stride,
                               params.q_head_stride, params.q_batch_stride, Tr::kBlockM));
