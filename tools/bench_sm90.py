@@ -70,6 +70,12 @@ def run_case(args, dtype, d, causal, L, flex, dev):
         "pingpong": with_env(
             lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_PINGPONG="1"
         ),
+        "d64-rows128": with_env(
+            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_ROWS="128"
+        ),
+        "d64-rows192": with_env(
+            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_ROWS="192"
+        ),
         "per-tile-grid": with_env(
             lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_SCHED="grid"
         ),

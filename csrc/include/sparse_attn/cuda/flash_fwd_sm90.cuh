@@ -45,16 +45,18 @@ struct FlashSm90Params {
   int32_t* tile_counter;  // zeroed before the launch; nullptr: static round-robin
 };
 
-template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant>
+// kBlockM_: 64 query rows per consumer warpgroup; the default is flash_fwd_sm90_tile's.
+template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant,
+          int kBlockM_ = flash_fwd_sm90_tile(kHeadDim_, kVariant).block_m>
 struct FlashSm90Traits {
   static constexpr ScalarKind kDtype = kDtype_;
   static constexpr FlashTile kTile = flash_fwd_sm90_tile(kHeadDim_, kVariant);
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockM = kBlockM_;
   static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = 2;
-  static constexpr int kNThreads = kTile.warps * 32;
+  static constexpr int kNThreads = 128 * (kConsumers + 1);
   static constexpr int kNTiles = kBlockN / 8;   // n8 column tiles of S
   static constexpr int kDTiles = kHeadDim / 8;  // n8 column tiles of O
   static constexpr int kColBlocks = kHeadDim / 64;
@@ -68,7 +70,7 @@ struct FlashSm90Traits {
   // spill), the consumers take the rest.
   static constexpr int kProducerRegs = 32, kConsumerRegs = kConsumers == 2 ? 232 : 160;
   using Tiles = typename TilesOf<kVariant, kBlockM, kBlockN>::type;
-  static_assert(kBlockM % 64 == 0 && kTile.warps == 4 * (kConsumers + 1) && kHeadDim % 64 == 0);
+  static_assert(kBlockM % 64 == 0 && (kConsumers == 2 || kConsumers == 3) && kHeadDim % 64 == 0);
   // setmaxnreg moves registers within the CTA's launch allocation (ptxas gives the kernel the most
   // that __launch_bounds__(kNThreads, 1) allows): what the consumers take beyond it must not
   // exceed what the producer gives back, or setmaxnreg.inc waits forever.
@@ -349,9 +351,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
 
 namespace sparse_attn {
 
-template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
-cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream) {
-  using Tr = cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant>;
+namespace cuda {
+
+template <typename Tr>
+cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stream) {
   const int64_t tiles = num_ctas<Tr::kBlockM>(params);
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT_MAX) return cudaErrorInvalidConfiguration;
@@ -380,6 +383,29 @@ cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<grid, Tr::kNThreads, Tr::kSmemBytes, stream>>>(P);
   return cudaGetLastError();
+}
+
+// Head dim 64, dense family: 192-row tiles (three consumers) keep the tensor cores busier per
+// tile, 128-row tiles (two, ping-pong) quantise better into waves of one tile per SM. Takes
+// 128 when its estimated time, rounds x 0.72 (a 128-row tile's measured cost relative to a
+// 192-row one, docs/PERF_LOG.md), is lower. SPARSE_ATTN_SM90_D64_ROWS=128/192 forces one.
+inline bool d64_prefers_128_rows(const AttnFwdParams& p) {
+  if (const char* env = std::getenv("SPARSE_ATTN_SM90_D64_ROWS"); env != nullptr) return std::atoi(env) == 128;
+  const int64_t sms = current_device_sm_count(), bh = int64_t(p.b) * p.h;
+  const int64_t rounds192 = ((p.lq + 191) / 192 * bh + sms - 1) / sms;
+  const int64_t rounds128 = ((p.lq + 127) / 128 * bh + sms - 1) / sms;
+  return rounds128 * 72 < rounds192 * 100;
+}
+
+}  // namespace cuda
+
+template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
+cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream) {
+  if constexpr (kHeadDim == 64 && kVariant == Variant::kWindow) {
+    if (cuda::d64_prefers_128_rows(params))
+      return cuda::launch_flash_fwd_sm90<cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant, 128>>(params, stream);
+  }
+  return cuda::launch_flash_fwd_sm90<cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant>>(params, stream);
 }
 
 }  // namespace sparse_attn
