@@ -85,9 +85,7 @@ def test_hopper_deterministic_and_nan_skipped():
 @hopper
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("pingpong", ["0", "1"])
-@pytest.mark.parametrize(
-    "case", ["full", "causal", "window", "random_empty_rows", "longformer", "random_per_head"]
-)
+@pytest.mark.parametrize("case", ["full", "causal", "window", "random_empty_rows", "longformer", "random_per_head"])
 def test_hopper_persistent_schedule(monkeypatch, d, pingpong, case):
     # Several query tiles per persistent CTA (12 heads x 33 tiles > 132 SMs): static round-robin
     # (full) or the dynamic counter (the rest), with tiles that have no key block in between.

@@ -79,7 +79,8 @@ struct FlashSm90Traits {
 };
 
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid_constant__ const FlashSm90Params P) {
+__global__ void __launch_bounds__(Tr::kNThreads, 1)
+    flash_fwd_sm90_kernel(__grid_constant__ const FlashSm90Params P) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages, kNTiles = Tr::kNTiles,
                 kDTiles = Tr::kDTiles;
@@ -87,11 +88,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
   const AttnFwdParams& p = P.p;
   extern __shared__ char smem_raw[];
   const uint32_t sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sO = sQ + Tr::kQBytes;                // output staging, same layout as Q
-  const uint32_t sK = sO + Tr::kQBytes;                // kStages K buffers
-  const uint32_t sV = sK + kStages * Tr::kKVBytes;     // kStages V buffers
-  // Barriers and the scheduler ring in static shared memory: their addresses are constants, which
-  // keeps the producer (24 registers) from spilling them.
+  const uint32_t sO = sQ + Tr::kQBytes;             // output staging, same layout as Q
+  const uint32_t sK = sO + Tr::kQBytes;             // kStages K buffers
+  const uint32_t sV = sK + kStages * Tr::kKVBytes;  // kStages V buffers
+  // Barriers and the scheduler ring in static shared memory: their addresses are constants, not
+  // registers the producer (kProducerRegs) would have to hold.
   __shared__ alignas(8) uint64_t barriers[Tr::kBarriers];
   __shared__ int sched_tile[2];
   const uint32_t bar_q_full = smem_u32(barriers), bar_q_empty = bar_q_full + 8;
@@ -139,7 +140,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
         int bh, m_block;
         const bool valid = tile_of_cta<kBlockM>(p, tile, bh, m_block);
         // The next tile (at most num_tiles + gridDim.x - 1 <= 2 * INT_MAX: min keeps it an int).
-        const int64_t next = int64_t(gridDim.x) + (P.tile_counter != nullptr ? atomicAdd(P.tile_counter, 1) : tile);
+        const int64_t next =
+            int64_t(gridDim.x) + (P.tile_counter != nullptr ? atomicAdd(P.tile_counter, 1) : tile);
         tile = int(min64(next, num_tiles));
         if (!valid) continue;
         const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
@@ -211,11 +213,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1) flash_fwd_sm90_kernel(__grid
     for (int nd = 0; nd < kDTiles; ++nd)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
-    auto& o_flat = reinterpret_cast<float(&)[kDTiles * 4]>(acc_o);
+    auto& o_flat = reinterpret_cast<float (&)[kDTiles * 4]>(acc_o);
     float sc[1][kNTiles][4];
-    auto& s_flat = reinterpret_cast<float(&)[kNTiles * 4]>(sc);
+    auto& s_flat = reinterpret_cast<float (&)[kNTiles * 4]>(sc);
     uint32_t pa[1][kBlockN / 16][4];
-    auto& pa_flat = reinterpret_cast<uint32_t(&)[kBlockN / 4]>(pa);
+    auto& pa_flat = reinterpret_cast<uint32_t (&)[kBlockN / 4]>(pa);
 
     // S = Q K^T of tile it: kHeadDim / 16 wgmmas of K = 16, both operands K-major. Within a
     // 128-byte swizzle row a K step of 16 elements is +32 bytes of start address. Committed as
@@ -373,8 +375,8 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
   const char* pp = std::getenv("SPARSE_ATTN_SM90_PINGPONG");
   P.pingpong = pp == nullptr || pp[0] != '0';
   const int elem = 2;
-  SA_CUDA_TRY(encode_bhld_tma(&P.tma_q, params.q, elem, params.d, params.lq, params.h, params.b, params.q_row_stride,
-                              params.q_head_stride, params.q_batch_stride, Tr::kBlockM));
+  SA_CUDA_TRY(encode_bhld_tma(&P.tma_q, params.q, elem, params.d, params.lq, params.h, params.b,
+                              params.q_row_stride, params.q_head_stride, params.q_batch_stride, Tr::kBlockM));
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_k, params.k, elem, params.d, params.lk, params.h_kv, params.b,
                               params.k_row_stride, params.k_head_stride, params.k_batch_stride, Tr::kBlockN));
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_v, params.v, elem, params.dv, params.lk, params.h_kv, params.b,
@@ -390,10 +392,11 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
 // 128 when its estimated time, rounds x 0.72 (a 128-row tile's measured cost relative to a
 // 192-row one, docs/PERF_LOG.md), is lower. SPARSE_ATTN_SM90_D64_ROWS=128/192 forces one.
 inline bool d64_prefers_128_rows(const AttnFwdParams& p) {
-  if (const char* env = std::getenv("SPARSE_ATTN_SM90_D64_ROWS"); env != nullptr) return std::atoi(env) == 128;
+  if (const char* env = std::getenv("SPARSE_ATTN_SM90_D64_ROWS"); env != nullptr)
+    return std::atoi(env) == 128;
   const int64_t sms = current_device_sm_count(), bh = int64_t(p.b) * p.h;
-  const int64_t rounds192 = ((p.lq + 191) / 192 * bh + sms - 1) / sms;
-  const int64_t rounds128 = ((p.lq + 127) / 128 * bh + sms - 1) / sms;
+  const int64_t rounds192 = ((int64_t(p.lq) + 191) / 192 * bh + sms - 1) / sms;
+  const int64_t rounds128 = ((int64_t(p.lq) + 127) / 128 * bh + sms - 1) / sms;
   return rounds128 * 72 < rounds192 * 100;
 }
 
@@ -403,7 +406,8 @@ template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream) {
   if constexpr (kHeadDim == 64 && kVariant == Variant::kWindow) {
     if (cuda::d64_prefers_128_rows(params))
-      return cuda::launch_flash_fwd_sm90<cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant, 128>>(params, stream);
+      return cuda::launch_flash_fwd_sm90<cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant, 128>>(params,
+                                                                                                 stream);
   }
   return cuda::launch_flash_fwd_sm90<cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant>>(params, stream);
 }
