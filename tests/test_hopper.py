@@ -142,6 +142,26 @@ def test_flash_hopper_d64_tile_rows(monkeypatch, rows, window, lq, lk):
         check_attention(out, lse, q, k, v, mask=dense, name=f"d64 rows={rows} window")
 
 
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, -0.3, 0.0])
+def test_hopper_softmax_fast_and_guarded_paths(d, causal, scale):
+    # The online softmax folds the scale into one FFMA per score when the scale is positive and
+    # every row max of the warp is below 2^20 in log2 units; otherwise (a negative or zero scale,
+    # or a huge score) the warp scales first. Rows 3 and 700 meet a huge score only at key 600
+    # (the fifth 128-key tile), so their warps switch paths mid-row, next to ordinary rows.
+    L = 1000
+    q, k, v = make_qkv(1, 2, 2, L, L, d, device="cuda", seed=d)
+    q[:, :, [3, 700]] *= 1000
+    k[:, :, 600] = q[:, :, 700]
+    out, lse = sparse_attn.flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal, scale=scale, name=f"softmax paths scale={scale}")
+    if scale is None:  # row 700 puts (nearly) all its weight on key 600
+        torch.testing.assert_close(out[:, :, 700].float(), v[:, :, 600].float(), atol=1e-2, rtol=1e-2)
+
+
 def _raw_block_sparse(q, k, v, mask, order):
     return torch.ops.sparse_attn.block_sparse_fwd(
         q,

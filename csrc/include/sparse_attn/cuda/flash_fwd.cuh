@@ -196,7 +196,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
       });
     }
 
-    scale_and_mask<kBlockN>(s, tiles, it, m0 + warp_row0 + g, t, p.scale_log2);
+    scale_scores(s, p.scale_log2);
+    mask_scores<kBlockN>(s, tiles, it, m0 + warp_row0 + g, t);
     {
       float alpha[kMTiles][2];
       online_softmax(s, row_max, row_sum, alpha);

@@ -64,6 +64,7 @@ struct FlashSm90Traits {
   static constexpr int kKVColBytes = kBlockN * 128;  // one 64-column block of a K or V tile
   static constexpr int kQBytes = kColBlocks * kQColBytes;
   static constexpr int kKVBytes = kColBlocks * kKVColBytes;
+  static constexpr bool kFoldScale = kHeadDim <= 64;     // the online softmax (see the kernel)
   static constexpr int kBarriers = 2 + 4 * kStages + 4;  // Q, K/V ring, scheduler ring
   static constexpr int kSmemBytes = 1024 + 2 * kQBytes + 2 * kStages * kKVBytes;  // Q, O, K, V (dynamic)
   // Registers per thread after reallocation: the producer keeps few (32: its tile loop does not
@@ -265,6 +266,25 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       if (lane == 0) mbar_arrive(bar_q_empty);
     };
 
+    // The online softmax of S(it) into P (pa) and alpha; pv_done() waits for the P V GEMM in
+    // flight, which reads pa. Head dim 64 folds the scale into the exponent (one FFMA per score;
+    // its softmax is the bottleneck: +5-8 %); 128 scales first (there the fold's guard, which
+    // keeps the raw scores live next to P, cost more than the multiply saved: docs/PERF_LOG.md).
+    auto softmax = [&](int it, float (&alpha)[1][2], auto pv_done) {
+      if constexpr (Tr::kFoldScale) {
+        float m_new[1][2];
+        mask_scores<kBlockN>(sc, tiles, it, row_base, t);
+        softmax_fold_max(sc, row_max, m_new, p.scale_log2);
+        pv_done();
+        softmax_fold_exp<Tr::kDtype>(sc, m_new, row_max, row_sum, alpha, pa, p.scale_log2);
+      } else {
+        scale_scores(sc, p.scale_log2);
+        mask_scores<kBlockN>(sc, tiles, it, row_base, t);
+        online_softmax(sc, row_max, row_sum, alpha);
+        pv_done();  // P is packed after O's rescale (pack_p below)
+      }
+    };
+
     if (n_tiles > 0) {
       mbar_wait(bar_q_full, qn & 1);
       turn_begin();
@@ -275,12 +295,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       release(bar_k_empty, 0);
       if (n_tiles == 1) release_q();
       float alpha[1][2];
-      scale_and_mask<kBlockN>(sc, tiles, 0, row_base, t, p.scale_log2);
-      online_softmax(sc, row_max, row_sum, alpha);  // O is still zero: nothing to rescale
-      pack_p<Tr::kDtype>(sc, pa);
+      softmax(0, alpha, [] {});  // O is still zero: nothing to rescale
+      if constexpr (!Tr::kFoldScale) pack_p<Tr::kDtype>(sc, pa);
     }
     // Steady state: the GEMMs of S(it) and of O += P(it - 1) V(it - 1) are in flight together;
-    // the softmax of S(it) runs while the tensor cores finish the second.
+    // the softmax of S(it) starts while the tensor cores finish the second.
     for (int it = 1; it < n_tiles; ++it) {
       turn_begin();
       issue_qk(it);
@@ -291,14 +310,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       release(bar_k_empty, it);
       if (it == n_tiles - 1) release_q();
       float alpha[1][2];
-      scale_and_mask<kBlockN>(sc, tiles, it, row_base, t, p.scale_log2);
-      online_softmax(sc, row_max, row_sum, alpha);
-      wgmma_wait<0>();
-      fence_regs(o_flat);
-      fence_regs(pa_flat);
-      release(bar_v_empty, it - 1);
+      softmax(it, alpha, [&] {
+        wgmma_wait<0>();
+        fence_regs(o_flat);
+        fence_regs(pa_flat);
+        release(bar_v_empty, it - 1);
+      });
       rescale_o(acc_o, alpha);
-      pack_p<Tr::kDtype>(sc, pa);
+      if constexpr (!Tr::kFoldScale) pack_p<Tr::kDtype>(sc, pa);
     }
     if (n_tiles > 0) {
       turn_begin();
@@ -333,9 +352,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     named_barrier(1 + wg, 128);
     Element* o = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
     constexpr int kChunks = Tr::kHeadDim / 8;
+    // 192-row tiles: opaque to the compiler, so that the staging addresses below are recomputed
+    // per tile instead of hoisted out of the persistent loop into registers it would spill.
+    int store_tid = tid;
+    if constexpr (Tr::kConsumers == 3) asm volatile("" : "+r"(store_tid));
 #pragma unroll
     for (int i = 0; i < 64 * kChunks / 128; ++i) {
-      const int idx = i * 128 + tid;
+      const int idx = i * 128 + store_tid;
       const int r = wg * 64 + idx / kChunks, c = idx % kChunks;
       if (m0 + r < p.lq && c * 8 < p.dv) {
         *reinterpret_cast<uint4*>(o + int64_t(m0 + r) * p.o_row_stride + c * 8) =

@@ -11,19 +11,11 @@
 
 namespace sparse_attn::cuda {
 
-// S *= scale_log2, then hides what the tile's iterator says is not visible. Scores are scaled
-// before the max is taken: folding the scale into exp2 as one FFMA leaves a rounding residual of
-// up to half an ulp of |score * scale| against the separately rounded max, which overflows exp2
-// at large magnitudes (TESTING.md 3.3 #27). row_base: the query row of (mi = 0, half = 0).
+// Hides what the tile's iterator says is not visible (S = -inf there), scaled or not. row_base:
+// the query row of (mi = 0, half = 0).
 template <int kBlockN, int kMTiles, int kNTiles, typename Tiles>
-__device__ __forceinline__ void scale_and_mask(float (&s)[kMTiles][kNTiles][4], const Tiles& tiles, int it,
-                                               int row_base, int t, float scale_log2) {
-#pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < kNTiles; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[mi][ni][e] *= scale_log2;
+__device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], const Tiles& tiles, int it,
+                                            int row_base, int t) {
   if (!tiles.tile_needs_mask(it)) return;
   // Column ni * 8 + 2t + e of the tile is bit (ni * 8 + e) of the row's mask shifted by 2t.
 #pragma unroll
@@ -45,14 +37,20 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[kMTiles][kNTiles][4], 
   }
 }
 
-// One online-softmax step over a scaled, masked tile: the new running max, S replaced by
-// exp2(S - max), the running sum rescaled and accumulated (per thread; the quad reduction of the
-// sum is left to the epilogue), and alpha, the factor O must be rescaled by (rescale_o). Phase by
-// phase over all rows, so that the dependency chains of different rows interleave.
+// S *= scale_log2 (raw scores to log2 units), for online_softmax.
 template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void online_softmax(float (&s)[kMTiles][kNTiles][4], float (&row_max)[kMTiles][2],
-                                               float (&row_sum)[kMTiles][2], float (&alpha)[kMTiles][2]) {
-  float mx[kMTiles][2], m_ref[kMTiles][2];
+__device__ __forceinline__ void scale_scores(float (&s)[kMTiles][kNTiles][4], float scale_log2) {
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mi][ni][e] *= scale_log2;
+}
+
+// The max of each row of S over the tile (all four threads of the quad get it).
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void tile_row_max(const float (&s)[kMTiles][kNTiles][4], float (&mx)[kMTiles][2]) {
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -66,6 +64,18 @@ __device__ __forceinline__ void online_softmax(float (&s)[kMTiles][kNTiles][4], 
   for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
     for (int half = 0; half < 2; ++half) mx[mi][half] = quad_max(mx[mi][half]);
+}
+
+// One online-softmax step over a scaled (scale_scores, then mask_scores) tile S in log2 units:
+// the new running max, S replaced by exp2(S - max), the running sum rescaled and accumulated (per
+// thread; the quad reduction of the sum is left to the epilogue), and alpha, the factor O must be
+// rescaled by (rescale_o). The largest term of every row is exactly 1, at any magnitude. Phase by
+// phase over all rows, so that the dependency chains of different rows interleave.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void online_softmax(float (&s)[kMTiles][kNTiles][4], float (&row_max)[kMTiles][2],
+                                               float (&row_sum)[kMTiles][2], float (&alpha)[kMTiles][2]) {
+  float mx[kMTiles][2], m_ref[kMTiles][2];
+  tile_row_max(s, mx);
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
@@ -95,8 +105,100 @@ __device__ __forceinline__ void online_softmax(float (&s)[kMTiles][kNTiles][4], 
     }
 }
 
+// P = exp2(S * e_scale - ref) packed to 16 bits in the A-operand layout of pack_p, and its row
+// sums (per thread).
+template <ScalarKind kDtype, int kMTiles, int kNTiles>
+__device__ __forceinline__ void exp_pack(const float (&s)[kMTiles][kNTiles][4], float e_scale,
+                                         const float (&ref)[kMTiles][2],
+                                         uint32_t (&pa)[kMTiles][kNTiles / 2][4], float (&sum)[kMTiles][2]) {
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) sum[mi][0] = sum[mi][1] = 0.f;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float p0 = exp2f(fmaf(s[mi][ni][2 * half], e_scale, -ref[mi][half]));
+        const float p1 = exp2f(fmaf(s[mi][ni][2 * half + 1], e_scale, -ref[mi][half]));
+        sum[mi][half] += p0 + p1;
+        pa[mi][ni / 2][(ni % 2) * 2 + half] = pack2<kDtype>(p0, p1);
+      }
+}
+
+// The online softmax with the scale folded into the exponent, for the kernels whose softmax
+// competes with their GEMMs for issue slots: each exponent is one FFMA, fma(s, scale, -max),
+// instead of a multiply and a subtraction. S holds the raw masked scores (scale_log2 * S is the
+// log2-unit score) and stays intact; P goes to pa. Two halves, so that the caller can wait for
+// other work in between: softmax_fold_max (the new running max) and softmax_fold_exp (P, alpha,
+// the running sum).
+//
+// The max is taken over the raw scores and scaled once per row, rounded upward, so each exponent
+// is exactly <= 0 and, for the row's largest score, >= -ulp(max): with |max| < 2^20 that is
+// >= -1/8, so nothing overflows, the largest term stays >= 2^-1/8, and the shift the rounding
+// introduces is common to the row's numerator and sum. Otherwise (a zero or negative scale, or
+// magnitudes where one ulp of the max is no longer small, TESTING.md 3.3 #27-28), the warp redoes
+// the tile from S the way online_softmax does (scale first; masked entries stay -inf whatever the
+// scale's sign). The check runs after the exponentials, so that it adds no latency to them.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void softmax_fold_max(const float (&s)[kMTiles][kNTiles][4],
+                                                 const float (&row_max)[kMTiles][2],
+                                                 float (&m_new)[kMTiles][2], float scale_log2) {
+  tile_row_max(s, m_new);
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      m_new[mi][half] = fmaxf(row_max[mi][half], __fmul_ru(m_new[mi][half], scale_log2));
+}
+
+template <ScalarKind kDtype, int kMTiles, int kNTiles>
+__device__ __forceinline__ void softmax_fold_exp(float (&s)[kMTiles][kNTiles][4], float (&m_new)[kMTiles][2],
+                                                 float (&row_max)[kMTiles][2], float (&row_sum)[kMTiles][2],
+                                                 float (&alpha)[kMTiles][2],
+                                                 uint32_t (&pa)[kMTiles][kNTiles / 2][4], float scale_log2) {
+  float ref[kMTiles][2], sum[kMTiles][2];
+  bool fold = scale_log2 > 0.f;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float m = m_new[mi][half];
+      fold = fold && m < 0x1p20f && (m > -0x1p20f || m == -INFINITY);
+      ref[mi][half] = m == -INFINITY ? 0.f : m;  // nothing visible so far: 0 as reference
+    }
+  exp_pack<kDtype>(s, scale_log2, ref, pa, sum);
+  if (!__all_sync(0xffffffffu, fold)) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          s[mi][ni][e] = s[mi][ni][e] == -INFINITY ? -INFINITY : s[mi][ni][e] * scale_log2;
+    tile_row_max(s, m_new);
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        m_new[mi][half] = fmaxf(row_max[mi][half], m_new[mi][half]);
+        ref[mi][half] = m_new[mi][half] == -INFINITY ? 0.f : m_new[mi][half];
+      }
+    exp_pack<kDtype>(s, 1.f, ref, pa, sum);
+  }
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      alpha[mi][half] = exp2f(row_max[mi][half] - ref[mi][half]);
+      row_max[mi][half] = m_new[mi][half];
+      row_sum[mi][half] = row_sum[mi][half] * alpha[mi][half] + sum[mi][half];
+    }
+}
+
 template <int kMTiles, int kDTiles>
-__device__ __forceinline__ void rescale_o(float (&acc_o)[kMTiles][kDTiles][4], const float (&alpha)[kMTiles][2]) {
+__device__ __forceinline__ void rescale_o(float (&acc_o)[kMTiles][kDTiles][4],
+                                          const float (&alpha)[kMTiles][2]) {
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -108,7 +210,8 @@ __device__ __forceinline__ void rescale_o(float (&acc_o)[kMTiles][kDTiles][4], c
 // P = S packed to 16 bits in the A-operand layout of a 16-key slice (mma.sync m16n8k16 and
 // wgmma's register A alike): the accumulators of n8 tiles 2kk and 2kk + 1.
 template <ScalarKind kDtype, int kMTiles, int kNTiles>
-__device__ __forceinline__ void pack_p(const float (&s)[kMTiles][kNTiles][4], uint32_t (&pa)[kMTiles][kNTiles / 2][4]) {
+__device__ __forceinline__ void pack_p(const float (&s)[kMTiles][kNTiles][4],
+                                       uint32_t (&pa)[kMTiles][kNTiles / 2][4]) {
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
