@@ -138,15 +138,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
 
   float acc_o[kMTiles][kDTiles][4];
   float row_max[kMTiles][2], row_sum[kMTiles][2];
-#pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-    for (int nd = 0; nd < kDTiles; ++nd)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[mi][nd][e] = 0.f;
-    row_max[mi][0] = row_max[mi][1] = -INFINITY;
-    row_sum[mi][0] = row_sum[mi][1] = 0.f;
-  }
+  softmax_start(acc_o, row_max, row_sum);
   const int warp_row0 = warp * Tr::kWarpRows;
   // Per-thread ldmatrix bases (see swz_step): Q rows of this warp, K rows, V rows (transposed).
   const int r8 = lane % 8;

@@ -209,11 +209,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const int row_base = m0 + wg * 64 + warp * 16 + g;  // rows row_base and row_base + 8
 
     float acc_o[1][kDTiles][4];
-    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
-#pragma unroll
-    for (int nd = 0; nd < kDTiles; ++nd)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
+    float row_max[1][2], row_sum[1][2];
+    softmax_start(acc_o, row_max, row_sum);
     auto& o_flat = reinterpret_cast<float (&)[kDTiles * 4]>(acc_o);
     float sc[1][kNTiles][4];
     auto& s_flat = reinterpret_cast<float (&)[kNTiles * 4]>(sc);

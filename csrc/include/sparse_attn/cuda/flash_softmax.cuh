@@ -196,6 +196,21 @@ __device__ __forceinline__ void softmax_fold_exp(float (&s)[kMTiles][kNTiles][4]
     }
 }
 
+// The state of a row block before its first tile: O = 0, running max -inf, running sum 0.
+template <int kMTiles, int kDTiles>
+__device__ __forceinline__ void softmax_start(float (&acc_o)[kMTiles][kDTiles][4],
+                                              float (&row_max)[kMTiles][2], float (&row_sum)[kMTiles][2]) {
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int nd = 0; nd < kDTiles; ++nd)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mi][nd][e] = 0.f;
+    row_max[mi][0] = row_max[mi][1] = -INFINITY;
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
+}
+
 template <int kMTiles, int kDTiles>
 __device__ __forceinline__ void rescale_o(float (&acc_o)[kMTiles][kDTiles][4],
                                           const float (&alpha)[kMTiles][2]) {

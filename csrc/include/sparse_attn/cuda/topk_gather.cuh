@@ -106,11 +106,8 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
   jl = load_index(1);
 
   float acc_o[1][kDTiles][4];
-  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
-#pragma unroll
-  for (int nd = 0; nd < kDTiles; ++nd)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[0][nd][e] = 0.f;
+  float row_max[1][2], row_sum[1][2];
+  softmax_start(acc_o, row_max, row_sum);
 
   const int r8 = lane % 8;
   uint32_t qf[kKSteps][4];
