@@ -109,7 +109,10 @@ struct WindowTiles {
   SA_HD WindowTiles(const AttnFwdParams& p, int /*bidb*/, int /*bidh*/, int m_block)
       : m0(m_block * kBlockM),
         m1(int(min64(int64_t(m_block + 1) * kBlockM, p.lq))),
-        lk(p.lk), left(p.window_left), right(p.window_right), off(p.kv_offset) {
+        lk(p.lk),
+        left(p.window_left),
+        right(p.window_right),
+        off(p.kv_offset) {
     const int64_t lo = left < 0 ? 0 : max64(0, int64_t(m0) + off - left);
     const int64_t hi = right < 0 ? lk : min64(lk, int64_t(m1) - 1 + off + right + 1);
     if (hi <= lo) {
@@ -151,8 +154,14 @@ struct BlockSparseTiles {
   int count, sub, q_block, kv_block, words, row0, lk, nkb, npart;
 
   SA_HD BlockSparseTiles(const AttnFwdParams& p, int bidb, int bidh, int m_block)
-      : masks(p.partial_masks), sub(p.kv_block / kBlockN), q_block(p.q_block), kv_block(p.kv_block),
-        words(p.kv_block / 32), lk(p.lk), nkb(p.num_kv_blocks), npart(p.num_partial) {
+      : masks(p.partial_masks),
+        sub(p.kv_block / kBlockN),
+        q_block(p.q_block),
+        kv_block(p.kv_block),
+        words(p.kv_block / 32),
+        lk(p.lk),
+        nkb(p.num_kv_blocks),
+        npart(p.num_partial) {
     const int qb = (m_block * kBlockM) / p.q_block;
     row0 = qb * p.q_block;
     const int64_t row = int64_t(bidb) * p.bs_batch_stride + int64_t(bidh) * p.bs_head_stride + qb;
@@ -169,27 +178,37 @@ struct BlockSparseTiles {
 
   SA_HD int num_tiles() const { return count * sub; }
 
+  // Entry of the key-block list that tile it lies in, and which of its sub tiles it is. (A
+  // shortcut for sub == 1 made the portable core's D = 128 kernel spill 52 bytes.)
+  SA_HD int entry(int it) const { return it / sub; }
+  SA_HD int sub_tile(int it) const { return it % sub; }
+
   SA_HD int n_block(int it) const {
-    const int e = it / sub;
-    return block_ok(e) ? idx[e] * sub + it % sub : 0;
+    const int e = entry(it);
+    return block_ok(e) ? idx[e] * sub + sub_tile(it) : 0;
   }
 
+  // Each list entry read once (two loads, issued together): an invalid entry, a partial block or
+  // the keys' ragged tail needs the element mask.
   SA_HD bool tile_needs_mask(int it) const {
-    const int e = it / sub;
-    return !block_ok(e) || part[e] >= 0 || int64_t(n_block(it) + 1) * kBlockN > lk;
+    const int e = entry(it);
+    const int kb = idx[e], pid = part[e];
+    if (!(kb >= 0 && kb < nkb && pid >= -1 && pid < npart)) return true;
+    return pid >= 0 || int64_t(kb * sub + sub_tile(it) + 1) * kBlockN > lk;
   }
 
   SA_HD uint64_t visible_bits(int it, int row, int col0 = 0) const {
     static_assert(kBlockN == 32 || kBlockN % 64 == 0, "one or two mask words per call");
     constexpr int kWidth = kBlockN < 64 ? kBlockN : 64;  // columns covered by one call
-    const int e = it / sub;
+    const int e = entry(it);
     if (!block_ok(e)) return 0;
     const int64_t n0 = int64_t(n_block(it)) * kBlockN + col0;
     const uint64_t in_range = bit_range(0, min64(kWidth - 1, lk - 1 - n0));
     const int pid = part[e];
     if (pid < 0) return in_range;
     // Words of this row covering columns col0.. of the tile (it % sub selects the tile within the block).
-    const int32_t* w = masks + (int64_t(pid) * q_block + (row - row0)) * words + ((it % sub) * kBlockN + col0) / 32;
+    const int32_t* w =
+        masks + (int64_t(pid) * q_block + (row - row0)) * words + (sub_tile(it) * kBlockN + col0) / 32;
     uint64_t bits = uint32_t(w[0]);
     if constexpr (kWidth == 64) bits |= uint64_t(uint32_t(w[1])) << 32;
     return bits & in_range;

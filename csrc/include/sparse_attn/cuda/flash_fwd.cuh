@@ -47,7 +47,8 @@ struct FlashFwdTraits {
   static constexpr int kSmemKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kSmemBytes = kSmemQBytes + 2 * kSmemKVBytes;  // Q, K, V
   using Tiles = typename TilesOf<kVariant, kBlockM, kBlockN>::type;
-  static_assert(kWarpRows % 16 == 0 && kChunks % 8 == 0 && kNTiles % 2 == 0 && (kBlockN <= 64 || kBlockN % 64 == 0));
+  static_assert(kWarpRows % 16 == 0 && kChunks % 8 == 0 && kNTiles % 2 == 0 &&
+                (kBlockN <= 64 || kBlockN % 64 == 0));
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row`. The XOR with the row spreads the eight rows
@@ -209,8 +210,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
     uint32_t pa[kMTiles][kBlockN / 16][4];
     pack_p<Tr::kDtype>(s, pa);
     {
-      constexpr int kPairs = kDTiles / 2;                    // ldmatrix.x4 per 16 keys
-      constexpr int kSteps = (kBlockN / 16) * kPairs;        // (key slice, column pair) steps
+      constexpr int kPairs = kDTiles / 2;              // ldmatrix.x4 per 16 keys
+      constexpr int kSteps = (kBlockN / 16) * kPairs;  // (key slice, column pair) steps
       constexpr int kVRing = kPairs < 8 ? kPairs : 8;
       const uint32_t vb = opaque(v_base);
       uint32_t ring[kVRing][4];
@@ -275,7 +276,8 @@ namespace sparse_attn {
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_(const AttnFwdParams& params, cudaStream_t stream) {
   if constexpr ((kHeadDim == 64 || kHeadDim == 128) && kVariant != Variant::kBlockSparseM64) {
-    if (flash_sm90_eligible(params, kVariant)) return run_flash_fwd_sm90_<kDtype, kHeadDim, kVariant>(params, stream);
+    if (flash_sm90_eligible(params, kVariant))
+      return run_flash_fwd_sm90_<kDtype, kHeadDim, kVariant>(params, stream);
   }
   using Tr = cuda::FlashFwdTraits<kDtype, kHeadDim, kVariant>;
   const int64_t grid = num_ctas<Tr::kBlockM>(params);

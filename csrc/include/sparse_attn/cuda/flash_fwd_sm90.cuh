@@ -4,16 +4,17 @@
 // Persistent CTAs, one per SM, each running query tiles of kBlockM rows of one (batch, head) in
 // turn. Warpgroup 0 is the producer: one thread takes the CTA's next tile (from a global atomic
 // counter in tile_of_cta's heaviest-first order, or round-robin when there is none) and hands it
-// to the consumers through a 2-entry ring in shared memory, and issues TMA copies of Q (one
-// buffer, reloaded as soon as the tile's last Q K^T is done, so the next tile's Q lands under the
-// current tile's last P V and epilogue) and of K and V tiles into a kStages-deep ring of
+// to the consumers through a 2-entry ring in shared memory, and issues TMA copies of Q (two
+// buffers: a buffer is refilled as soon as its tile's last Q K^T is done, so the next tile's Q
+// loads while the current tile runs) and of K and V tiles into a kStages-deep ring of
 // shared-memory buffers, each buffer with a "full" mbarrier (TMA transaction bytes) and an
 // "empty" one (one arrival per consumer warp). It gives most of its registers to the consumers
 // (setmaxnreg). The other warpgroups are consumers, 64 query rows each: S = Q K^T as wgmma with
 // both operands in shared memory, the online softmax in registers (flash_softmax.cuh), O += P V as
 // wgmma with P from registers. Within a consumer the softmax of tile j overlaps the P V GEMM of
 // tile j - 1; with two consumers, named barriers make them take turns issuing GEMMs (ping-pong),
-// so one's softmax runs under the other's GEMMs.
+// so one's softmax runs under the other's GEMMs. A tile's output is written after the next
+// tile's first Q K^T has been issued, under that GEMM.
 //
 // Shared memory is 128-byte swizzled (TMA writes it that way, wgmma reads it that way): a tile of
 // R rows and D columns is D / 64 column blocks of R rows x 128 bytes, each 1024-byte aligned.
@@ -56,6 +57,7 @@ struct FlashSm90Traits {
   static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = 2;
+  static constexpr int kQStages = 2;  // Q buffers: the next tile's Q loads a whole tile ahead
   static constexpr int kNThreads = 128 * (kConsumers + 1);
   static constexpr int kNTiles = kBlockN / 8;   // n8 column tiles of S
   static constexpr int kDTiles = kHeadDim / 8;  // n8 column tiles of O
@@ -64,9 +66,12 @@ struct FlashSm90Traits {
   static constexpr int kKVColBytes = kBlockN * 128;  // one 64-column block of a K or V tile
   static constexpr int kQBytes = kColBlocks * kQColBytes;
   static constexpr int kKVBytes = kColBlocks * kKVColBytes;
-  static constexpr bool kFoldScale = kHeadDim <= 64;     // the online softmax (see the kernel)
-  static constexpr int kBarriers = 2 + 4 * kStages + 4;  // Q, K/V ring, scheduler ring
-  static constexpr int kSmemBytes = 1024 + 2 * kQBytes + 2 * kStages * kKVBytes;  // Q, O, K, V (dynamic)
+  static constexpr bool kFoldScale = kHeadDim <= 64;                // the online softmax (see the kernel)
+  static constexpr int kBarriers = 2 * kQStages + 4 * kStages + 4;  // Q ring, K/V ring, scheduler ring
+  // Q ring, O staging, K and V rings (dynamic), within the 227 KB a block may opt into, less the
+  // static barriers.
+  static constexpr int kSmemBytes = 1024 + (kQStages + 1) * kQBytes + 2 * kStages * kKVBytes;
+  static_assert(kSmemBytes + 8 * kBarriers + 64 <= 227 * 1024);
   // Registers per thread after reallocation: the producer keeps few (32: its tile loop does not
   // spill), the consumers take the rest.
   static constexpr int kProducerRegs = 32, kConsumerRegs = kConsumers == 2 ? 232 : 160;
@@ -89,15 +94,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const AttnFwdParams& p = P.p;
   extern __shared__ char smem_raw[];
   const uint32_t sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sO = sQ + Tr::kQBytes;             // output staging, same layout as Q
-  const uint32_t sK = sO + Tr::kQBytes;             // kStages K buffers
-  const uint32_t sV = sK + kStages * Tr::kKVBytes;  // kStages V buffers
+  const uint32_t sO = sQ + Tr::kQStages * Tr::kQBytes;  // output staging, same layout as Q
+  const uint32_t sK = sO + Tr::kQBytes;                 // kStages K buffers
+  const uint32_t sV = sK + kStages * Tr::kKVBytes;      // kStages V buffers
   // Barriers and the scheduler ring in static shared memory: their addresses are constants, not
   // registers the producer (kProducerRegs) would have to hold.
   __shared__ alignas(8) uint64_t barriers[Tr::kBarriers];
   __shared__ int sched_tile[2];
-  const uint32_t bar_q_full = smem_u32(barriers), bar_q_empty = bar_q_full + 8;
-  const uint32_t bar_k_full = bar_q_empty + 8, bar_k_empty = bar_k_full + 8 * kStages;
+  const uint32_t bar_q_full = smem_u32(barriers), bar_q_empty = bar_q_full + 8 * Tr::kQStages;
+  const uint32_t bar_k_full = bar_q_empty + 8 * Tr::kQStages, bar_k_empty = bar_k_full + 8 * kStages;
   const uint32_t bar_v_full = bar_k_empty + 8 * kStages, bar_v_empty = bar_v_full + 8 * kStages;
   const uint32_t bar_sched_full = bar_v_empty + 8 * kStages, bar_sched_empty = bar_sched_full + 16;
   constexpr int kConsumerWarps = 4 * Tr::kConsumers;
@@ -107,8 +112,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int num_tiles = int(num_ctas<kBlockM>(p));  // <= INT_MAX (the launcher checks)
 
   if (threadIdx.x == 0) {
-    mbar_init(bar_q_full, 1);
-    mbar_init(bar_q_empty, kConsumerWarps);
+    for (int s = 0; s < Tr::kQStages; ++s) {
+      mbar_init(bar_q_full + 8 * s, 1);
+      mbar_init(bar_q_empty + 8 * s, kConsumerWarps);
+    }
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bar_k_full + 8 * s, 1);
       mbar_init(bar_v_full + 8 * s, 1);
@@ -149,11 +156,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         const typename Tr::Tiles tiles(p, b, h, m_block);
         const int n_tiles = tiles.num_tiles();
         if (n_tiles == 0) continue;  // the consumers write zeros without waiting for anything
-        mbar_wait(bar_q_empty, (qn & 1) ^ 1);
-        mbar_expect_tx(bar_q_full, Tr::kQBytes);
+        const int qs = qn % Tr::kQStages;
+        mbar_wait(bar_q_empty + 8 * qs, ((qn / Tr::kQStages) & 1) ^ 1);
+        mbar_expect_tx(bar_q_full + 8 * qs, Tr::kQBytes);
 #pragma unroll
         for (int c = 0; c < Tr::kColBlocks; ++c)
-          tma_load_4d(sQ + c * Tr::kQColBytes, &P.tma_q, bar_q_full, c * 64, m_block * kBlockM, h, b);
+          tma_load_4d(sQ + qs * Tr::kQBytes + c * Tr::kQColBytes, &P.tma_q, bar_q_full + 8 * qs, c * 64,
+                      m_block * kBlockM, h, b);
         ++qn;
         for (int it = 0; it < n_tiles; ++it, ++kv) {
           const int s = kv % kStages;
@@ -180,7 +189,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int wg = threadIdx.x / 128 - 1;  // query rows wg * 64 .. wg * 64 + 63 of the tile
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const uint32_t q_rows = sQ + wg * 64 * 128;  // this warpgroup's 64 rows within each column block
   char* smem_o = smem_raw + (sO - smem_u32(smem_raw));
   int kv = 0, qn = 0;
   // Ping-pong (two consumers): warpgroup w issues its GEMMs after named barrier 5 + w, which the
@@ -189,6 +197,56 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // once up front; warpgroup 0 consumes the one arrival left over at the end.
   const bool pingpong = Tr::kConsumers == 2 && P.pingpong != 0;
   if (pingpong && wg == 1) named_barrier_arrive(5, 256);
+
+  // The accumulators outlive their tile: a tile's output is written after the next tile's first
+  // Q K^T has been issued, under that GEMM (out_m0 < 0: nothing to write).
+  float acc_o[1][kDTiles][4];
+  float row_max[1][2], row_sum[1][2];
+  auto& o_flat = reinterpret_cast<float (&)[kDTiles * 4]>(acc_o);
+  int out_bh = 0, out_m0 = -1;  // (batch, head) and first row of the pending output
+
+  // Epilogue: O / l through this warpgroup's rows of the staging buffer (128-byte swizzled),
+  // then 16-byte coalesced stores; LSE. The first barrier keeps the previous tile's stores
+  // (reads of the buffer) ahead of these writes.
+  auto epilogue = [&]() {
+    auto o_offset = [](int r, int chunk) {  // r: row of the tile, chunk: 16-byte column chunk
+      return (chunk / 8) * Tr::kQColBytes + r * 128 + (((chunk % 8) ^ (r % 8)) * 16);
+    };
+    const int out_b = out_bh / p.h, out_h = out_bh % p.h;
+    named_barrier(1 + wg, 128);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float lse;
+      const float inv = finish_row(row_max[0][half], row_sum[0][half], lse);
+      const int r = wg * 64 + warp * 16 + g + half * 8;
+#pragma unroll
+      for (int nd = 0; nd < kDTiles; ++nd)
+        *reinterpret_cast<uint32_t*>(smem_o + o_offset(r, nd) + t * 4) =
+            pack2<Tr::kDtype>(acc_o[0][nd][2 * half] * inv, acc_o[0][nd][2 * half + 1] * inv);
+      if (t == 0 && out_m0 + r < p.lq) p.lse[(int64_t(out_b) * p.h + out_h) * p.lq + out_m0 + r] = lse;
+    }
+    named_barrier(1 + wg, 128);
+    Element* o = static_cast<Element*>(p.o) + out_b * p.o_batch_stride + out_h * p.o_head_stride;
+    constexpr int kChunks = Tr::kHeadDim / 8;
+    // 192-row tiles: opaque to the compiler, so that the staging addresses below are recomputed
+    // per tile instead of hoisted out of the persistent loop into registers it would spill.
+    int store_tid = tid;
+    if constexpr (Tr::kConsumers == 3) asm volatile("" : "+r"(store_tid));
+#pragma unroll
+    for (int i = 0; i < 64 * kChunks / 128; ++i) {
+      const int idx = i * 128 + store_tid;
+      const int r = wg * 64 + idx / kChunks, c = idx % kChunks;
+      if (out_m0 + r < p.lq && c * 8 < p.dv) {
+        *reinterpret_cast<uint4*>(o + int64_t(out_m0 + r) * p.o_row_stride + c * 8) =
+            *reinterpret_cast<const uint4*>(smem_o + o_offset(r, c));
+      }
+    }
+  };
+  // The pending output, if any, then fresh accumulators for the tile just started.
+  auto flush_and_start = [&]() {
+    if (out_m0 >= 0) epilogue();
+    softmax_start(acc_o, row_max, row_sum);
+  };
 
   for (int sn = 0;; ++sn) {
     mbar_wait(bar_sched_full + 8 * (sn & 1), (sn >> 1) & 1);
@@ -207,11 +265,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const typename Tr::Tiles tiles(p, b, h, m_block);
     const int n_tiles = tiles.num_tiles();
     const int row_base = m0 + wg * 64 + warp * 16 + g;  // rows row_base and row_base + 8
+    const int qs = qn % Tr::kQStages;
+    // This warpgroup's 64 rows of Q buffer qs, within each column block.
+    const uint32_t q_rows = sQ + qs * Tr::kQBytes + wg * 64 * 128;
 
-    float acc_o[1][kDTiles][4];
-    float row_max[1][2], row_sum[1][2];
-    softmax_start(acc_o, row_max, row_sum);
-    auto& o_flat = reinterpret_cast<float (&)[kDTiles * 4]>(acc_o);
     float sc[1][kNTiles][4];
     auto& s_flat = reinterpret_cast<float (&)[kNTiles * 4]>(sc);
     uint32_t pa[1][kBlockN / 16][4];
@@ -257,43 +314,49 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     auto turn_end = [&]() {
       if (pingpong) named_barrier_arrive(5 + (1 - wg), 256);
     };
-    // Q may be overwritten (the next tile's) once every warp's last Q K^T of this tile is done.
+    // Q buffer qs may be refilled once every warp's last Q K^T of this tile is done.
     auto release_q = [&]() {
       __syncwarp();
-      if (lane == 0) mbar_arrive(bar_q_empty);
+      if (lane == 0) mbar_arrive(bar_q_empty + 8 * qs);
     };
 
     // The online softmax of S(it) into P (pa) and alpha; pv_done() waits for the P V GEMM in
     // flight, which reads pa. Head dim 64 folds the scale into the exponent (one FFMA per score;
     // its softmax is the bottleneck: +5-8 %); 128 scales first (there the fold's guard, which
     // keeps the raw scores live next to P, cost more than the multiply saved: docs/PERF_LOG.md).
-    auto softmax = [&](int it, float (&alpha)[1][2], auto pv_done) {
+    auto softmax = [&](int it, bool need_mask, float (&alpha)[1][2], auto pv_done) {
       if constexpr (Tr::kFoldScale) {
         float m_new[1][2];
-        mask_scores<kBlockN>(sc, tiles, it, row_base, t);
+        mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
         softmax_fold_max(sc, row_max, m_new, p.scale_log2);
         pv_done();
         softmax_fold_exp<Tr::kDtype>(sc, m_new, row_max, row_sum, alpha, pa, p.scale_log2);
       } else {
         scale_scores(sc, p.scale_log2);
-        mask_scores<kBlockN>(sc, tiles, it, row_base, t);
+        mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
         online_softmax(sc, row_max, row_sum, alpha);
         pv_done();  // P is packed after O's rescale (pack_p below)
       }
     };
 
     if (n_tiles > 0) {
-      mbar_wait(bar_q_full, qn & 1);
+      mbar_wait(bar_q_full + 8 * qs, (qn / Tr::kQStages) & 1);
       turn_begin();
       issue_qk(0);
       turn_end();
+      // Whether S needs masking is read before the wait, so that a block-sparse mask's global
+      // reads overlap the GEMM instead of following it.
+      const bool need_mask = tiles.tile_needs_mask(0);
+      flush_and_start();  // the previous tile's output, under this Q K^T
       wgmma_wait<0>();
       fence_regs(s_flat);
       release(bar_k_empty, 0);
       if (n_tiles == 1) release_q();
       float alpha[1][2];
-      softmax(0, alpha, [] {});  // O is still zero: nothing to rescale
+      softmax(0, need_mask, alpha, [] {});  // O is still zero: nothing to rescale
       if constexpr (!Tr::kFoldScale) pack_p<Tr::kDtype>(sc, pa);
+    } else {
+      flush_and_start();  // this tile's output is zeros (LSE -inf)
     }
     // Steady state: the GEMMs of S(it) and of O += P(it - 1) V(it - 1) are in flight together;
     // the softmax of S(it) starts while the tensor cores finish the second.
@@ -302,12 +365,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       issue_qk(it);
       issue_pv(it - 1);
       turn_end();
+      const bool need_mask = tiles.tile_needs_mask(it);
       wgmma_wait<1>();
       fence_regs(s_flat);
       release(bar_k_empty, it);
       if (it == n_tiles - 1) release_q();
       float alpha[1][2];
-      softmax(it, alpha, [&] {
+      softmax(it, need_mask, alpha, [&] {
         wgmma_wait<0>();
         fence_regs(o_flat);
         fence_regs(pa_flat);
@@ -327,42 +391,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       kv += n_tiles;
       ++qn;
     }
-
-    // Epilogue: O / l through this warpgroup's rows of the staging buffer (128-byte swizzled),
-    // then 16-byte coalesced stores; LSE. The first barrier keeps the previous tile's stores
-    // (reads of the buffer) ahead of these writes.
-    auto o_offset = [](int r, int chunk) {  // r: row of the tile, chunk: 16-byte column chunk
-      return (chunk / 8) * Tr::kQColBytes + r * 128 + (((chunk % 8) ^ (r % 8)) * 16);
-    };
-    named_barrier(1 + wg, 128);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float lse;
-      const float inv = finish_row(row_max[0][half], row_sum[0][half], lse);
-      const int r = wg * 64 + warp * 16 + g + half * 8;
-#pragma unroll
-      for (int nd = 0; nd < kDTiles; ++nd)
-        *reinterpret_cast<uint32_t*>(smem_o + o_offset(r, nd) + t * 4) =
-            pack2<Tr::kDtype>(acc_o[0][nd][2 * half] * inv, acc_o[0][nd][2 * half + 1] * inv);
-      if (t == 0 && m0 + r < p.lq) p.lse[(int64_t(b) * p.h + h) * p.lq + m0 + r] = lse;
-    }
-    named_barrier(1 + wg, 128);
-    Element* o = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-    constexpr int kChunks = Tr::kHeadDim / 8;
-    // 192-row tiles: opaque to the compiler, so that the staging addresses below are recomputed
-    // per tile instead of hoisted out of the persistent loop into registers it would spill.
-    int store_tid = tid;
-    if constexpr (Tr::kConsumers == 3) asm volatile("" : "+r"(store_tid));
-#pragma unroll
-    for (int i = 0; i < 64 * kChunks / 128; ++i) {
-      const int idx = i * 128 + store_tid;
-      const int r = wg * 64 + idx / kChunks, c = idx % kChunks;
-      if (m0 + r < p.lq && c * 8 < p.dv) {
-        *reinterpret_cast<uint4*>(o + int64_t(m0 + r) * p.o_row_stride + c * 8) =
-            *reinterpret_cast<const uint4*>(smem_o + o_offset(r, c));
-      }
-    }
+    out_bh = bh;
+    out_m0 = m0;
   }
+  if (out_m0 >= 0) epilogue();
   if (pingpong && wg == 0) named_barrier(5, 256);  // warpgroup 1's last arrival
 #else
   __trap();  // not built for sm_90a: the launcher never gets here

@@ -12,11 +12,12 @@
 namespace sparse_attn::cuda {
 
 // Hides what the tile's iterator says is not visible (S = -inf there), scaled or not. row_base:
-// the query row of (mi = 0, half = 0).
+// the query row of (mi = 0, half = 0); needed: tiles.tile_needs_mask(it), which a caller may
+// evaluate early (a block-sparse mask reads it from global memory) and pass in.
 template <int kBlockN, int kMTiles, int kNTiles, typename Tiles>
 __device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], const Tiles& tiles, int it,
-                                            int row_base, int t) {
-  if (!tiles.tile_needs_mask(it)) return;
+                                            int row_base, int t, bool needed) {
+  if (!needed) return;
   // Column ni * 8 + 2t + e of the tile is bit (ni * 8 + e) of the row's mask shifted by 2t.
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
@@ -35,6 +36,13 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], con
       });
     }
   }
+}
+
+// The same, asking the iterator at the point of masking.
+template <int kBlockN, int kMTiles, int kNTiles, typename Tiles>
+__device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], const Tiles& tiles, int it,
+                                            int row_base, int t) {
+  mask_scores<kBlockN>(s, tiles, it, row_base, t, tiles.tile_needs_mask(it));
 }
 
 // S *= scale_log2 (raw scores to log2 units), for online_softmax.
