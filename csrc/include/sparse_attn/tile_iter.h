@@ -171,10 +171,9 @@ struct BlockSparseTiles {
     part = p.kv_partial + row * p.max_kv_blocks;
   }
 
-  SA_HD bool block_ok(int e) const {
-    const int kb = idx[e], pid = part[e];
-    return kb >= 0 && kb < nkb && pid >= -1 && pid < npart;
-  }
+  // A list entry (key block kb, partial mask pid) that addresses nothing out of range.
+  SA_HD bool entry_ok(int kb, int pid) const { return kb >= 0 && kb < nkb && pid >= -1 && pid < npart; }
+  SA_HD bool block_ok(int e) const { return entry_ok(idx[e], part[e]); }
 
   SA_HD int num_tiles() const { return count * sub; }
 
@@ -193,7 +192,7 @@ struct BlockSparseTiles {
   SA_HD bool tile_needs_mask(int it) const {
     const int e = entry(it);
     const int kb = idx[e], pid = part[e];
-    if (!(kb >= 0 && kb < nkb && pid >= -1 && pid < npart)) return true;
+    if (!entry_ok(kb, pid)) return true;
     return pid >= 0 || int64_t(kb * sub + sub_tile(it) + 1) * kBlockN > lk;
   }
 
