@@ -146,7 +146,10 @@ struct WindowTiles {
 // element mask (only the ragged tail of the keys); partial blocks read their bit mask.
 // Indices are re-checked here so that a malformed mask can never address memory out of range:
 // an invalid entry becomes a tile with nothing visible.
-template <int kBlockM, int kBlockN>
+// kTileIsBlock: the caller guarantees q_block == kBlockM and kv_block == kBlockN (the Hopper
+// kernel's launcher checks it), so list entry = key tile and query block = query tile with no
+// integer division per key tile.
+template <int kBlockM, int kBlockN, bool kTileIsBlock = false>
 struct BlockSparseTiles {
   const int32_t* idx;   // (maxKb,) key blocks of this query block
   const int32_t* part;  // (maxKb,) partial mask row or -1
@@ -155,15 +158,15 @@ struct BlockSparseTiles {
 
   SA_HD BlockSparseTiles(const AttnFwdParams& p, int bidb, int bidh, int m_block)
       : masks(p.partial_masks),
-        sub(p.kv_block / kBlockN),
-        q_block(p.q_block),
-        kv_block(p.kv_block),
-        words(p.kv_block / 32),
+        sub(kTileIsBlock ? 1 : p.kv_block / kBlockN),
+        q_block(kTileIsBlock ? kBlockM : p.q_block),
+        kv_block(kTileIsBlock ? kBlockN : p.kv_block),
+        words(kTileIsBlock ? kBlockN / 32 : p.kv_block / 32),
         lk(p.lk),
         nkb(p.num_kv_blocks),
         npart(p.num_partial) {
-    const int qb = (m_block * kBlockM) / p.q_block;
-    row0 = qb * p.q_block;
+    const int qb = kTileIsBlock ? m_block : (m_block * kBlockM) / p.q_block;
+    row0 = qb * q_block;
     const int64_t row = int64_t(bidb) * p.bs_batch_stride + int64_t(bidh) * p.bs_head_stride + qb;
     const int c = p.kv_num_blocks[row];
     count = c < 0 ? 0 : (c > p.max_kv_blocks ? p.max_kv_blocks : c);
@@ -175,12 +178,12 @@ struct BlockSparseTiles {
   SA_HD bool entry_ok(int kb, int pid) const { return kb >= 0 && kb < nkb && pid >= -1 && pid < npart; }
   SA_HD bool block_ok(int e) const { return entry_ok(idx[e], part[e]); }
 
-  SA_HD int num_tiles() const { return count * sub; }
+  SA_HD int num_tiles() const { return kTileIsBlock ? count : count * sub; }
 
   // Entry of the key-block list that tile it lies in, and which of its sub tiles it is. (A
   // shortcut for sub == 1 made the portable core's D = 128 kernel spill 52 bytes.)
-  SA_HD int entry(int it) const { return it / sub; }
-  SA_HD int sub_tile(int it) const { return it % sub; }
+  SA_HD int entry(int it) const { return kTileIsBlock ? it : it / sub; }
+  SA_HD int sub_tile(int it) const { return kTileIsBlock ? 0 : it % sub; }
 
   SA_HD int n_block(int it) const {
     const int e = entry(it);

@@ -19,12 +19,13 @@
 
 namespace sparse_attn::cuda {
 
-template <Variant V, int kBlockM, int kBlockN>
+// kTileIsBlock: block-sparse masks whose blocks are exactly the kernel's tiles (BlockSparseTiles).
+template <Variant V, int kBlockM, int kBlockN, bool kTileIsBlock = false>
 struct TilesOf {
-  using type = BlockSparseTiles<kBlockM, kBlockN>;
+  using type = BlockSparseTiles<kBlockM, kBlockN, kTileIsBlock>;
 };
-template <int kBlockM, int kBlockN>
-struct TilesOf<Variant::kWindow, kBlockM, kBlockN> {
+template <int kBlockM, int kBlockN, bool kTileIsBlock>
+struct TilesOf<Variant::kWindow, kBlockM, kBlockN, kTileIsBlock> {
   using type = WindowTiles<kBlockM, kBlockN>;
 };
 

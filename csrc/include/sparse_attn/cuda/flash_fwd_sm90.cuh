@@ -2,15 +2,18 @@
 // iterators as flash_fwd.cuh, on the Hopper machinery.
 //
 // Persistent CTAs, one per SM, each running query tiles of kBlockM rows of one (batch, head) in
-// turn. Warpgroup 0 is the producer: one thread takes the CTA's next tile (from a global atomic
-// counter in tile_of_cta's heaviest-first order, or round-robin when there is none) and hands it
-// to the consumers through a 2-entry ring in shared memory, and issues TMA copies of Q (two
-// buffers: a buffer is refilled as soon as its tile's last Q K^T is done, so the next tile's Q
-// loads while the current tile runs) and of K and V tiles into a kStages-deep ring of
-// shared-memory buffers, each buffer with a "full" mbarrier (TMA transaction bytes) and an
-// "empty" one (one arrival per consumer warp). It gives most of its registers to the consumers
-// (setmaxnreg). The other warpgroups are consumers, 64 query rows each: S = Q K^T as wgmma with
-// both operands in shared memory, the online softmax in registers (flash_softmax.cuh), O += P V as
+// turn. Warpgroup 0 is the producer and gives most of its registers to the consumers
+// (setmaxnreg). In it, one thread is the scheduler: it takes the CTA's next tile (from a global
+// atomic counter in tile_of_cta's heaviest-first order, or round-robin when there is none),
+// decodes it (batch and head, query block, number of key tiles: for a block-sparse mask, global
+// reads) and posts it to a kSchedSlots-entry ring in shared memory a tile ahead of the loader,
+// so that neither the loads nor the GEMMs wait for that chain of reads at a tile boundary.
+// Another thread is the loader: it issues TMA copies of Q (two buffers: a buffer is refilled as
+// soon as its tile's last Q K^T is done, so the next tile's Q loads while the current tile runs)
+// and of K and V tiles into a kStages-deep ring of shared-memory buffers, each buffer with a
+// "full" mbarrier (TMA transaction bytes) and an "empty" one (one arrival per consumer warp).
+// The other warpgroups are consumers, 64 query rows each: S = Q K^T as wgmma with both operands
+// in shared memory, the online softmax in registers (flash_softmax.cuh), O += P V as
 // wgmma with P from registers. Within a consumer the softmax of tile j overlaps the P V GEMM of
 // tile j - 1; with two consumers, named barriers make them take turns issuing GEMMs (ping-pong),
 // so one's softmax runs under the other's GEMMs. A tile's output is written after the next
@@ -53,11 +56,13 @@ struct FlashSm90Traits {
   static constexpr ScalarKind kDtype = kDtype_;
   static constexpr FlashTile kTile = flash_fwd_sm90_tile(kHeadDim_, kVariant);
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kBlockSparse = kVariant != Variant::kWindow;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kStages = 2;
-  static constexpr int kQStages = 2;  // Q buffers: the next tile's Q loads a whole tile ahead
+  static constexpr int kQStages = 2;     // Q buffers: the next tile's Q loads a whole tile ahead
+  static constexpr int kSchedSlots = 4;  // decoded tiles posted ahead by the scheduler thread
   static constexpr int kNThreads = 128 * (kConsumers + 1);
   static constexpr int kNTiles = kBlockN / 8;   // n8 column tiles of S
   static constexpr int kDTiles = kHeadDim / 8;  // n8 column tiles of O
@@ -66,8 +71,9 @@ struct FlashSm90Traits {
   static constexpr int kKVColBytes = kBlockN * 128;  // one 64-column block of a K or V tile
   static constexpr int kQBytes = kColBlocks * kQColBytes;
   static constexpr int kKVBytes = kColBlocks * kKVColBytes;
-  static constexpr bool kFoldScale = kHeadDim <= 64;                // the online softmax (see the kernel)
-  static constexpr int kBarriers = 2 * kQStages + 4 * kStages + 4;  // Q ring, K/V ring, scheduler ring
+  static constexpr bool kFoldScale = kHeadDim <= 64;  // the online softmax (see the kernel)
+  static constexpr int kBarriers =
+      2 * kQStages + 4 * kStages + 2 * kSchedSlots + 1;  // Q, K/V, scheduler rings
   // Q ring, O staging, K and V rings (dynamic), within the 227 KB a block may opt into, less the
   // static barriers.
   static constexpr int kSmemBytes = 1024 + (kQStages + 1) * kQBytes + 2 * kStages * kKVBytes;
@@ -75,7 +81,9 @@ struct FlashSm90Traits {
   // Registers per thread after reallocation: the producer keeps few (32: its tile loop does not
   // spill), the consumers take the rest.
   static constexpr int kProducerRegs = 32, kConsumerRegs = kConsumers == 2 ? 232 : 160;
-  using Tiles = typename TilesOf<kVariant, kBlockM, kBlockN>::type;
+  // Block-sparse masks reach this kernel only with 128 x 128 blocks (flash_sm90_eligible; the
+  // launcher checks it): one list entry per key tile.
+  using Tiles = typename TilesOf<kVariant, kBlockM, kBlockN, true>::type;
   static_assert(kBlockM % 64 == 0 && (kConsumers == 2 || kConsumers == 3) && kHeadDim % 64 == 0);
   // setmaxnreg moves registers within the CTA's launch allocation (ptxas gives the kernel the most
   // that __launch_bounds__(kNThreads, 1) allows): what the consumers take beyond it must not
@@ -100,11 +108,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // Barriers and the scheduler ring in static shared memory: their addresses are constants, not
   // registers the producer (kProducerRegs) would have to hold.
   __shared__ alignas(8) uint64_t barriers[Tr::kBarriers];
-  __shared__ int sched_tile[2];
+  // The scheduler ring: {tile id, batch * heads + head (-1: no tile), query block, key tiles}.
+  __shared__ int4 sched[Tr::kSchedSlots];
   const uint32_t bar_q_full = smem_u32(barriers), bar_q_empty = bar_q_full + 8 * Tr::kQStages;
   const uint32_t bar_k_full = bar_q_empty + 8 * Tr::kQStages, bar_k_empty = bar_k_full + 8 * kStages;
   const uint32_t bar_v_full = bar_k_empty + 8 * kStages, bar_v_empty = bar_v_full + 8 * kStages;
-  const uint32_t bar_sched_full = bar_v_empty + 8 * kStages, bar_sched_empty = bar_sched_full + 16;
+  const uint32_t bar_sched_full = bar_v_empty + 8 * kStages;
+  const uint32_t bar_sched_empty = bar_sched_full + 8 * Tr::kSchedSlots;
+  const uint32_t bar_sched_taken = bar_sched_empty + 8 * Tr::kSchedSlots;
   constexpr int kConsumerWarps = 4 * Tr::kConsumers;
   // Persistent: CTA c starts with tile c of tile_of_cta's order (heaviest first) and then takes
   // the next untaken one, so the producer loads the next tile's Q, K and V while the consumers
@@ -122,10 +133,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       mbar_init(bar_k_empty + 8 * s, kConsumerWarps);
       mbar_init(bar_v_empty + 8 * s, kConsumerWarps);
     }
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < Tr::kSchedSlots; ++s) {
       mbar_init(bar_sched_full + 8 * s, 1);
-      mbar_init(bar_sched_empty + 8 * s, kConsumerWarps);
+      mbar_init(bar_sched_empty + 8 * s, kConsumerWarps + 1);  // and the loader
     }
+    mbar_init(bar_sched_taken, 1);
     mbar_init_fence();
   }
   __syncthreads();
@@ -133,29 +145,51 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   if (threadIdx.x < 128) {
     // ---------------- producer ----------------
     setmaxnreg_dec<Tr::kProducerRegs>();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 32) {
+      // Scheduler: tile sn is claimed once the loader has taken tile sn - 1 (bar_sched_taken
+      // completes a phase per tile taken), so a CTA holds no more tiles than it did when the
+      // loader claimed them itself (claiming earlier costs the balance of the heaviest-first
+      // order); the claim and the decode then overlap the loader's work on tile sn - 1. Slot
+      // sn % kSchedSlots is reused once the loader and every consumer warp have read it.
+      int tile = blockIdx.x;
+      for (int sn = 0;; ++sn) {
+        const int slot = sn % Tr::kSchedSlots;
+        if (sn > 0) {
+          mbar_wait_idle(bar_sched_taken, (sn - 1) & 1);
+          // At most num_tiles + gridDim.x - 1 <= 2 * INT_MAX: min keeps it an int.
+          tile = int(
+              min64(int64_t(gridDim.x) + (P.tile_counter != nullptr ? atomicAdd(P.tile_counter, 1) : tile),
+                    num_tiles));
+        }
+        int4 entry = make_int4(tile, -1, 0, 0);  // past the end, or not a tile
+        int bh, m_block;
+        if (tile < num_tiles && tile_of_cta<kBlockM>(p, tile, bh, m_block)) {
+          const typename Tr::Tiles tiles(p, bh / p.h, bh % p.h, m_block);
+          entry = make_int4(tile, bh, m_block, tiles.num_tiles());
+        }
+        mbar_wait_idle(bar_sched_empty + 8 * slot, ((sn / Tr::kSchedSlots) & 1) ^ 1);
+        sched[slot] = entry;
+        mbar_arrive(bar_sched_full + 8 * slot);
+        if (tile >= num_tiles) break;
+      }
+    } else if (threadIdx.x == 0) {
+      // Loader.
       tma_prefetch_desc(&P.tma_q);
       tma_prefetch_desc(&P.tma_k);
       tma_prefetch_desc(&P.tma_v);
       int kv = 0, qn = 0;  // K/V tiles and Q tiles loaded so far: ring positions and phases
-      int tile = blockIdx.x;
       for (int sn = 0;; ++sn) {
-        // Hand the tile to the consumers (slot sn % 2 of the scheduler ring), then load it.
-        mbar_wait(bar_sched_empty + 8 * (sn & 1), ((sn >> 1) & 1) ^ 1);
-        sched_tile[sn & 1] = tile;
-        mbar_arrive(bar_sched_full + 8 * (sn & 1));
-        if (tile >= num_tiles) break;
-        int bh, m_block;
-        const bool valid = tile_of_cta<kBlockM>(p, tile, bh, m_block);
-        // The next tile (at most num_tiles + gridDim.x - 1 <= 2 * INT_MAX: min keeps it an int).
-        const int64_t next =
-            int64_t(gridDim.x) + (P.tile_counter != nullptr ? atomicAdd(P.tile_counter, 1) : tile);
-        tile = int(min64(next, num_tiles));
-        if (!valid) continue;
+        const int slot = sn % Tr::kSchedSlots;
+        mbar_wait(bar_sched_full + 8 * slot, (sn / Tr::kSchedSlots) & 1);
+        const int4 entry = sched[slot];
+        mbar_arrive(bar_sched_empty + 8 * slot);
+        mbar_arrive(bar_sched_taken);
+        if (entry.x >= num_tiles) break;
+        // No tile, or no key tiles: the consumers write zeros without waiting for anything.
+        if (entry.y < 0 || entry.w == 0) continue;
+        const int bh = entry.y, m_block = entry.z, n_tiles = entry.w;
         const int b = bh / p.h, h = bh % p.h, hk = h / p.h_per_kv;
         const typename Tr::Tiles tiles(p, b, h, m_block);
-        const int n_tiles = tiles.num_tiles();
-        if (n_tiles == 0) continue;  // the consumers write zeros without waiting for anything
         const int qs = qn % Tr::kQStages;
         mbar_wait(bar_q_empty + 8 * qs, ((qn / Tr::kQStages) & 1) ^ 1);
         mbar_expect_tx(bar_q_full + 8 * qs, Tr::kQBytes);
@@ -249,21 +283,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   };
 
   for (int sn = 0;; ++sn) {
-    mbar_wait(bar_sched_full + 8 * (sn & 1), (sn >> 1) & 1);
-    // Lane 0 reads the slot and releases it; the warp gets the id by shuffle.
-    int tile = 0;
-    if (lane == 0) {
-      tile = sched_tile[sn & 1];
-      mbar_arrive(bar_sched_empty + 8 * (sn & 1));
-    }
-    tile = __shfl_sync(0xffffffffu, tile, 0);
-    if (tile >= num_tiles) break;
-    int bh, m_block;
-    if (!tile_of_cta<kBlockM>(p, tile, bh, m_block)) continue;
+    const int slot = sn % Tr::kSchedSlots;
+    mbar_wait(bar_sched_full + 8 * slot, (sn / Tr::kSchedSlots) & 1);
+    // Every lane reads the slot, then lane 0 releases it.
+    const int4 entry = sched[slot];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_sched_empty + 8 * slot);
+    if (entry.x >= num_tiles) break;
+    if (entry.y < 0) continue;
+    const int bh = entry.y, m_block = entry.z, n_tiles = entry.w;
     const int b = bh / p.h, h = bh % p.h;
     const int m0 = m_block * kBlockM;
-    const typename Tr::Tiles tiles(p, b, h, m_block);
-    const int n_tiles = tiles.num_tiles();
+    const typename Tr::Tiles tiles(p, b, h, m_block);   // n_tiles: the scheduler's count
     const int row_base = m0 + wg * 64 + warp * 16 + g;  // rows row_base and row_base + 8
     const int qs = qn % Tr::kQStages;
     // This warpgroup's 64 rows of Q buffer qs, within each column block.
@@ -412,6 +443,9 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
   const int64_t tiles = num_ctas<Tr::kBlockM>(params);
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT_MAX) return cudaErrorInvalidConfiguration;
+  // Block-sparse: the kernel's iterator takes mask blocks to be its tiles.
+  if (Tr::kBlockSparse && (params.q_block != Tr::kBlockM || params.kv_block != Tr::kBlockN))
+    return cudaErrorInvalidValue;
   // One persistent CTA per SM. Uneven tiles (causal, windows, block-sparse) come with a zeroed
   // counter and are taken dynamically; even ones round-robin. SPARSE_ATTN_SM90_SCHED=grid runs
   // one CTA per tile instead (the hardware's dispatch), for A/B timing.

@@ -26,21 +26,28 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   SA_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Blocks until the phase of parity `parity` has completed (a fresh barrier is in phase 0, so
-// waiting on parity 1 returns at once).
+// True once the phase of parity `parity` has completed (a fresh barrier is in phase 0, so parity 1
+// counts as completed); the hardware may suspend the thread a while before answering false.
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 1;
+  SA_SM90_ASM(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Blocks until the phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+// The same for a thread off the critical path: it sleeps between polls, so that it takes few
+// issue slots from the warps it shares a scheduler with.
+__device__ __forceinline__ void mbar_wait_idle(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) __nanosleep(256);
 }
 
 // Tile of a 4-d tensor map at coordinates (c0 innermost .. c3) into shared memory; completion
