@@ -47,6 +47,22 @@ def test_flash_hopper_agrees_with_portable(monkeypatch, layout, window):
 
 @pytest.mark.cuda
 @hopper
+@pytest.mark.parametrize("core", ["hopper", "portable"])
+@pytest.mark.parametrize("d,hkv,lk", [(128, 4, 12000), (128, 2, 18000), (64, 4, 24000)])
+def test_causal_order_in_l2_groups_covers_every_tile(monkeypatch, core, d, hkv, lk):
+    # Causal tiles run heaviest first within groups of (batch, head)s whose K/V fit in 32 MiB
+    # of L2 (tile_of_cta). These shapes (K/V 6-9 MB per head) give groups of 5 of 8 heads
+    # (crossing the batch boundary; GQA 2: 6 of 8) and a shorter last group; a tile that the
+    # order skipped or repeated would leave rows unwritten.
+    if core == "portable":
+        monkeypatch.setenv("SPARSE_ATTN_SM90", "0")
+    q, k, v = make_qkv(2, 4, hkv, 640, lk, d, device="cuda", seed=lk + d)
+    out, lse = sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=True, name=f"causal L2 groups {core}")
+
+
+@pytest.mark.cuda
+@hopper
 @pytest.mark.parametrize(
     "name",
     ["random", "longformer", "bigbird", "dilated", "window", "empty_rows"],

@@ -33,8 +33,13 @@ SA_HD uint64_t bit_range(int64_t lo, int64_t hi) {
   return (~uint64_t(0) >> (63 - hi)) & (~uint64_t(0) << lo);
 }
 
+// K/V bytes that tile_of_cta's causal order keeps in flight at once (H100 and A100 have 50 and
+// 40 MB of L2; the rest holds Q, O and other traffic).
+constexpr int64_t kL2GroupBytes = int64_t(32) << 20;
+
 // Which (batch * heads + head, query tile) a CTA runs. Default: query tiles of one (batch, head)
-// adjacent, the last first; causal (not block-sparse): the heaviest tile of every head first.
+// adjacent, the last first; causal (not block-sparse): heaviest first across the heads of an
+// L2-sized group, group after group.
 // With a block-sparse q_block_order (nQb entries, heaviest first, then h): the first h listed
 // query blocks (rows far heavier than the rest, e.g. global tokens) run first, each over every
 // (batch, head), so they do not finish alone at the end; the others run one (batch, head) at a
@@ -49,11 +54,21 @@ SA_HD bool tile_of_cta(const AttnFwdParams& p, Index cta, int& bh, int& m_block)
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
   if (p.q_block_order == nullptr) {
     if (p.window_left < 0 && p.window_right >= 0) {
-      // Causal: heaviest tiles of every (batch, head) first, so the last wave holds the
-      // lightest tiles; the K/V of all heads share L2 across the wave.
+      // Causal: heaviest tiles first, so the last wave holds the lightest tiles; but only across
+      // a group of (batch, head)s whose K/V fit in L2 together (kL2GroupBytes), one group after
+      // the other, so that the CTAs in flight re-read K/V from L2 rather than from memory (all
+      // heads at once stream every head's K/V from DRAM when they exceed L2: 512 MB at
+      // B * H = 32, L = 32k, D = 128). The next group's heavy tiles start while the current
+      // group's light ones finish, so only the last group's lightest tiles form the tail.
       const Index bhs = Index(p.b) * p.h;
-      bh = int(cta % bhs);
-      m_block = num_m - 1 - int(cta / bhs);
+      const int64_t kv_head_bytes =
+          int64_t(p.lk) * (p.d + p.dv) * (p.dtype == ScalarKind::kFloat32 ? 4 : 2);
+      const int64_t kv_heads = max64(1, kL2GroupBytes / max64(1, kv_head_bytes));
+      const Index group = Index(min64(int64_t(bhs), kv_heads * p.h_per_kv));
+      const Index g = cta / (group * num_m), r = cta - g * group * num_m;
+      const Index size = bhs - g * group < group ? bhs - g * group : group;  // the last is short
+      bh = int(g * group + r % size);
+      m_block = num_m - 1 - int(r / size);
     } else {
       bh = int(cta / num_m);
       m_block = num_m - 1 - int(cta % num_m);
