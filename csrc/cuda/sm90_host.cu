@@ -65,7 +65,8 @@ bool flash_sm90_eligible(const AttnFwdParams& p, Variant variant) {
   return encode_tiled() != nullptr &&
          tma_layout_ok(p.q, p.q_row_stride, p.q_head_stride, p.h, p.q_batch_stride, p.b) &&
          tma_layout_ok(p.k, p.k_row_stride, p.k_head_stride, p.h_kv, p.k_batch_stride, p.b) &&
-         tma_layout_ok(p.v, p.v_row_stride, p.v_head_stride, p.h_kv, p.v_batch_stride, p.b);
+         tma_layout_ok(p.v, p.v_row_stride, p.v_head_stride, p.h_kv, p.v_batch_stride, p.b) &&
+         tma_layout_ok(p.o, p.o_row_stride, p.o_head_stride, p.h, p.o_batch_stride, p.b);
 #else
   (void)p;
   (void)variant;

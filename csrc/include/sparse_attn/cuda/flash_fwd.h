@@ -47,8 +47,9 @@ template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream);
 
 // True when the current device is compute capability 9.0, this build holds sm_90a code, the
-// environment does not say SPARSE_ATTN_SM90=0, and the inputs suit TMA (16-byte aligned bases,
-// strides multiples of 8 elements, head dim <= 128, 128 x 128 mask blocks for block-sparse).
+// environment does not say SPARSE_ATTN_SM90=0, and the inputs and the output suit TMA (16-byte
+// aligned bases, strides multiples of 8 elements), head dim <= 128, and a block-sparse mask has
+// 128 x 128 blocks.
 bool flash_sm90_eligible(const AttnFwdParams& params, Variant variant);
 
 // True when the Hopper kernel will run and its tiles are uneven (causal, windowed, block-sparse):

@@ -16,8 +16,8 @@
 // in shared memory, the online softmax in registers (flash_softmax.cuh), O += P V as
 // wgmma with P from registers. Within a consumer the softmax of tile j overlaps the P V GEMM of
 // tile j - 1; with two consumers, named barriers make them take turns issuing GEMMs (ping-pong),
-// so one's softmax runs under the other's GEMMs. A tile's output is written after the next
-// tile's first Q K^T has been issued, under that GEMM.
+// so one's softmax runs under the other's GEMMs. A tile's output is staged in shared memory after
+// the next tile's first Q K^T has been issued, under that GEMM, and stored by TMA.
 //
 // Shared memory is 128-byte swizzled (TMA writes it that way, wgmma reads it that way): a tile of
 // R rows and D columns is D / 64 column blocks of R rows x 128 bytes, each 1024-byte aligned.
@@ -41,10 +41,10 @@
 
 namespace sparse_attn::cuda {
 
-// Kernel parameters: the family's params plus the TMA descriptors of Q, K and V.
+// Kernel parameters: the family's params plus the TMA descriptors of Q, K, V and O.
 struct FlashSm90Params {
   AttnFwdParams p;
-  CUtensorMap tma_q, tma_k, tma_v;
+  CUtensorMap tma_q, tma_k, tma_v, tma_o;  // tma_o: boxes of 64 rows (one consumer's)
   int pingpong;
   int32_t* tile_counter;  // zeroed before the launch; nullptr: static round-robin
 };
@@ -98,7 +98,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages, kNTiles = Tr::kNTiles,
                 kDTiles = Tr::kDTiles;
-  using Element = typename ElementOf<Tr::kDtype>::type;
   const AttnFwdParams& p = P.p;
   extern __shared__ char smem_raw[];
   const uint32_t sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -239,41 +238,34 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   auto& o_flat = reinterpret_cast<float (&)[kDTiles * 4]>(acc_o);
   int out_bh = 0, out_m0 = -1;  // (batch, head) and first row of the pending output
 
-  // Epilogue: O / l through this warpgroup's rows of the staging buffer (128-byte swizzled),
-  // then 16-byte coalesced stores; LSE. The first barrier keeps the previous tile's stores
-  // (reads of the buffer) ahead of these writes.
+  // Epilogue: O / l into this warpgroup's rows of the staging buffer (128-byte swizzled, the
+  // layout TMA reads), then one thread stores them with TMA (rows past Lq and columns past Dv
+  // are clipped); LSE directly. The staging rows are rewritten only after the previous store
+  // has read them (the storing thread waits for its bulk group, then the barrier).
   auto epilogue = [&]() {
-    auto o_offset = [](int r, int chunk) {  // r: row of the tile, chunk: 16-byte column chunk
-      return (chunk / 8) * Tr::kQColBytes + r * 128 + (((chunk % 8) ^ (r % 8)) * 16);
-    };
     const int out_b = out_bh / p.h, out_h = out_bh % p.h;
+    if (tid == 0) bulk_wait_group<0, true>();
     named_barrier(1 + wg, 128);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float lse;
       const float inv = finish_row(row_max[0][half], row_sum[0][half], lse);
-      const int r = wg * 64 + warp * 16 + g + half * 8;
+      const int r = wg * 64 + warp * 16 + g + half * 8;  // row of the tile
 #pragma unroll
       for (int nd = 0; nd < kDTiles; ++nd)
-        *reinterpret_cast<uint32_t*>(smem_o + o_offset(r, nd) + t * 4) =
+        *reinterpret_cast<uint32_t*>(smem_o + (nd / 8) * Tr::kQColBytes + r * 128 +
+                                     (((nd % 8) ^ (r % 8)) * 16) + t * 4) =
             pack2<Tr::kDtype>(acc_o[0][nd][2 * half] * inv, acc_o[0][nd][2 * half + 1] * inv);
       if (t == 0 && out_m0 + r < p.lq) p.lse[(int64_t(out_b) * p.h + out_h) * p.lq + out_m0 + r] = lse;
     }
+    fence_proxy_async();
     named_barrier(1 + wg, 128);
-    Element* o = static_cast<Element*>(p.o) + out_b * p.o_batch_stride + out_h * p.o_head_stride;
-    constexpr int kChunks = Tr::kHeadDim / 8;
-    // 192-row tiles: opaque to the compiler, so that the staging addresses below are recomputed
-    // per tile instead of hoisted out of the persistent loop into registers it would spill.
-    int store_tid = tid;
-    if constexpr (Tr::kConsumers == 3) asm volatile("" : "+r"(store_tid));
+    if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < 64 * kChunks / 128; ++i) {
-      const int idx = i * 128 + store_tid;
-      const int r = wg * 64 + idx / kChunks, c = idx % kChunks;
-      if (out_m0 + r < p.lq && c * 8 < p.dv) {
-        *reinterpret_cast<uint4*>(o + int64_t(out_m0 + r) * p.o_row_stride + c * 8) =
-            *reinterpret_cast<const uint4*>(smem_o + o_offset(r, c));
-      }
+      for (int c = 0; c < Tr::kColBlocks; ++c)
+        tma_store_4d(&P.tma_o, sO + c * Tr::kQColBytes + wg * 64 * 128, c * 64, out_m0 + wg * 64, out_h,
+                     out_b);
+      bulk_commit_group();
     }
   };
   // The pending output, if any, then fresh accumulators for the tile just started.
@@ -426,6 +418,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     out_m0 = m0;
   }
   if (out_m0 >= 0) epilogue();
+  if (tid == 0) bulk_wait_group<0, false>();       // the staging buffer lives until the stores finish
   if (pingpong && wg == 0) named_barrier(5, 256);  // warpgroup 1's last arrival
 #else
   __trap();  // not built for sm_90a: the launcher never gets here
@@ -467,6 +460,8 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
                               params.k_row_stride, params.k_head_stride, params.k_batch_stride, Tr::kBlockN));
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_v, params.v, elem, params.dv, params.lk, params.h_kv, params.b,
                               params.v_row_stride, params.v_head_stride, params.v_batch_stride, Tr::kBlockN));
+  SA_CUDA_TRY(encode_bhld_tma(&P.tma_o, params.o, elem, params.dv, params.lq, params.h, params.b,
+                              params.o_row_stride, params.o_head_stride, params.o_batch_stride, 64));
   auto kernel = cuda::flash_fwd_sm90_kernel<Tr>;
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<grid, Tr::kNThreads, Tr::kSmemBytes, stream>>>(P);

@@ -60,6 +60,25 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// Bulk tensor store of a box from shared memory (written by this CTA, made visible to the async
+// proxy by fence_proxy_async and a barrier) to global memory; out-of-range elements are not
+// written. Completion is tracked per issuing thread in bulk groups.
+__device__ __forceinline__ void tma_store_4d(const void* tmap, uint32_t src, int c0, int c1, int c2, int c3) {
+  SA_SM90_ASM("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                  reinterpret_cast<uint64_t>(tmap)),
+              "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+              : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { SA_SM90_ASM("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// This thread's bulk groups: all but the newest N have finished reading their shared memory
+// (kRead) or finished entirely.
+template <int N, bool kRead>
+__device__ __forceinline__ void bulk_wait_group() {
+  if constexpr (kRead)
+    SA_SM90_ASM("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+  else
+    SA_SM90_ASM("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
   SA_SM90_ASM("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 }
