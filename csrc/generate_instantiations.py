@@ -98,7 +98,7 @@ def wgmma_header() -> str:
         "template <ScalarKind kDtype, int N>",
         "struct Wgmma;",
     ]
-    for n in (64, 128):
+    for n in (64, 128, 192):
         regs = n // 2
         dlist = ", ".join(f"%{i}" for i in range(regs))
         outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))

@@ -140,22 +140,24 @@ def test_hopper_persistent_schedule(monkeypatch, d, pingpong, case):
 
 @pytest.mark.cuda
 @hopper
-@pytest.mark.parametrize("rows", ["128", "192"])
+@pytest.mark.parametrize("rows,keys", [("128", "128"), ("128", "192"), ("192", "128")])
 @pytest.mark.parametrize("window", [None, "causal", (300, 40)])
 @pytest.mark.parametrize("lq,lk", [(17, 129), (1000, 1000), (2100, 1500)])
-def test_flash_hopper_d64_tile_rows(monkeypatch, rows, window, lq, lk):
-    # Head dim 64 runs 128- or 192-row tiles depending on how they fill the SMs; both are exact.
+def test_flash_hopper_d64_tile_rows(monkeypatch, rows, keys, window, lq, lk):
+    # Head dim 64 runs 128- or 192-row tiles depending on how they fill the SMs, and the 128-row
+    # kernel 128- or 192-key tiles (ragged last tiles at every length here); all are exact.
     monkeypatch.setenv("SPARSE_ATTN_SM90_D64_ROWS", rows)
+    monkeypatch.setenv("SPARSE_ATTN_SM90_D64_BLOCKN", keys)
     q, k, v = make_qkv(2, 8, 2, lq, lk, 64, device="cuda", seed=lq)
     causal = window == "causal"
     w = window if isinstance(window, tuple) else None
     out, lse = sparse_attn.flash_attention(q, k, v, causal=causal, window=w, return_lse=True)
     if w is None:
-        check_attention(out, lse, q, k, v, causal=causal, name=f"d64 rows={rows}")
+        check_attention(out, lse, q, k, v, causal=causal, name=f"d64 rows={rows} keys={keys}")
     else:  # key j visible from query i iff i + (lk - lq) - 300 <= j <= i + (lk - lq) + 40
         off = lk - lq
         dense = torch.ones(lq, lk, dtype=torch.bool, device="cuda").tril(off + 40).triu(off - 300)
-        check_attention(out, lse, q, k, v, mask=dense, name=f"d64 rows={rows} window")
+        check_attention(out, lse, q, k, v, mask=dense, name=f"d64 rows={rows} keys={keys} window")
 
 
 @pytest.mark.cuda

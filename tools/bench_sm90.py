@@ -76,6 +76,12 @@ def run_case(args, dtype, d, causal, L, flex, dev):
         "d64-rows192": with_env(
             lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_ROWS="192"
         ),
+        "d64-keys128": with_env(
+            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_BLOCKN="128"
+        ),
+        "d64-keys192": with_env(
+            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_BLOCKN="192"
+        ),
         "per-tile-grid": with_env(
             lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_SCHED="grid"
         ),

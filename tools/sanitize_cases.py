@@ -53,6 +53,10 @@ for d in (64, 128):
         for causal in (False, True):
             sparse_attn.flash_attention(q, k, v, causal=causal)
         del os.environ["SPARSE_ATTN_SM90_D64_ROWS"]
+        os.environ["SPARSE_ATTN_SM90_D64_BLOCKN"] = "192"  # 128-row tiles, 192-key tiles, a ragged last one
+        for causal in (False, True):
+            sparse_attn.flash_attention(q, k, v, causal=causal)
+        del os.environ["SPARSE_ATTN_SM90_D64_BLOCKN"]
 iq = torch.randn(2, 100, 4, 64, device=dev, dtype=torch.bfloat16)
 ik = torch.randn(2, 100, 64, device=dev, dtype=torch.bfloat16)
 iw = torch.randn(2, 100, 4, device=dev, dtype=torch.bfloat16)

@@ -49,9 +49,11 @@ struct FlashSm90Params {
   int32_t* tile_counter;  // zeroed before the launch; nullptr: static round-robin
 };
 
-// kBlockM_: 64 query rows per consumer warpgroup; the default is flash_fwd_sm90_tile's.
+// kBlockM_: 64 query rows per consumer warpgroup; kBlockN_: keys per tile (64, 128 or 192); the
+// defaults are flash_fwd_sm90_tile's.
 template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant,
-          int kBlockM_ = flash_fwd_sm90_tile(kHeadDim_, kVariant).block_m>
+          int kBlockM_ = flash_fwd_sm90_tile(kHeadDim_, kVariant).block_m,
+          int kBlockN_ = flash_fwd_sm90_tile(kHeadDim_, kVariant).block_n>
 struct FlashSm90Traits {
   static constexpr ScalarKind kDtype = kDtype_;
   static constexpr FlashTile kTile = flash_fwd_sm90_tile(kHeadDim_, kVariant);
@@ -59,7 +61,7 @@ struct FlashSm90Traits {
   static constexpr bool kBlockSparse = kVariant != Variant::kWindow;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kConsumers = kBlockM / 64;  // consumer warpgroups
-  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = 2;
   static constexpr int kQStages = 2;     // Q buffers: the next tile's Q loads a whole tile ahead
   static constexpr int kSchedSlots = 4;  // decoded tiles posted ahead by the scheduler thread
@@ -468,17 +470,31 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
   return cudaGetLastError();
 }
 
+// Head dim 64, 128-row tiles, no band: 192-key tiles spread the per-tile work (row maxima, the
+// rescale, barriers) over 1.5x the scores (+3-7 % at 2k-12k, docs/PERF_LOG.md), but a ragged last
+// tile computes padding: taken when the keys padded to 192 exceed those padded to 128 by at most
+// 5 % (not at 1k: 1152 vs 1024). Causal and windowed attention keep 128 keys (their diagonal
+// tiles are masked; measured no gain). SPARSE_ATTN_SM90_D64_BLOCKN=128/192 forces one.
+inline bool d64_prefers_192_keys(const AttnFwdParams& p) {
+  if (const char* env = std::getenv("SPARSE_ATTN_SM90_D64_BLOCKN"); env != nullptr)
+    return std::atoi(env) == 192;
+  if (p.window_left >= 0 || p.window_right >= 0) return false;
+  const int64_t pad192 = (int64_t(p.lk) + 191) / 192 * 192, pad128 = (int64_t(p.lk) + 127) / 128 * 128;
+  return pad192 * 100 <= pad128 * 105;
+}
+
 // Head dim 64, dense family: 192-row tiles (three consumers) keep the tensor cores busier per
 // tile, 128-row tiles (two, ping-pong) quantise better into waves of one tile per SM. Takes
-// 128 when its estimated time, rounds x 0.72 (a 128-row tile's measured cost relative to a
-// 192-row one, docs/PERF_LOG.md), is lower. SPARSE_ATTN_SM90_D64_ROWS=128/192 forces one.
+// 128 when its estimated time, rounds x the cost of a 128-row tile relative to a 192-row one, is
+// lower: 0.72 with 128-key tiles, 0.66 with 192-key tiles (fits to measured times at 4k-16k,
+// docs/PERF_LOG.md). SPARSE_ATTN_SM90_D64_ROWS=128/192 forces one.
 inline bool d64_prefers_128_rows(const AttnFwdParams& p) {
   if (const char* env = std::getenv("SPARSE_ATTN_SM90_D64_ROWS"); env != nullptr)
     return std::atoi(env) == 128;
   const int64_t sms = current_device_sm_count(), bh = int64_t(p.b) * p.h;
   const int64_t rounds192 = ((int64_t(p.lq) + 191) / 192 * bh + sms - 1) / sms;
   const int64_t rounds128 = ((int64_t(p.lq) + 127) / 128 * bh + sms - 1) / sms;
-  return rounds128 * 72 < rounds192 * 100;
+  return rounds128 * (d64_prefers_192_keys(p) ? 66 : 72) < rounds192 * 100;
 }
 
 }  // namespace cuda
@@ -486,9 +502,11 @@ inline bool d64_prefers_128_rows(const AttnFwdParams& p) {
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream) {
   if constexpr (kHeadDim == 64 && kVariant == Variant::kWindow) {
+    using Rows128 = cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant, 128>;
+    using Rows128Keys192 = cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant, 128, 192>;
     if (cuda::d64_prefers_128_rows(params))
-      return cuda::launch_flash_fwd_sm90<cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant, 128>>(params,
-                                                                                                 stream);
+      return cuda::d64_prefers_192_keys(params) ? cuda::launch_flash_fwd_sm90<Rows128Keys192>(params, stream)
+                                                : cuda::launch_flash_fwd_sm90<Rows128>(params, stream);
   }
   return cuda::launch_flash_fwd_sm90<cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant>>(params, stream);
 }
