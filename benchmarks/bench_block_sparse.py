@@ -8,8 +8,13 @@ Each pattern is written once as a FlexAttention ``mask_mod`` (how Flex users wri
 ``create_block_mask`` gives Flex's BlockMask and ``BlockSparseMask.from_flex`` ours, so both
 kernels compute exactly the same (query, key) pairs. Mask creation is excluded from the timings.
 Columns: effective TFLOP/s counts only computed pairs (4·D per pair); `vs flex` = Flex time /
-our time (> 1: we are faster); `vs d·flash` = our time / (density × our dense flash time), the
-"time proportional to density" check (target <= 1.15). The construction table times building
+our time (> 1: we are faster); `vs d·flash` = our time / (density × our dense flash time);
+`prop` = our time / (density × dense time + 20 us / 1.15), the "time proportional to density" check
+(<= 1.15 means time <= 1.15 × d × dense + 20 us); `eff/dense` = our effective TFLOP/s / our dense
+TFLOP/s (>= 0.85: within 15 % of dense). Ours, Flex and our dense flash are timed in turn over
+`--rounds` rounds for every pattern, and each ratio is the median of the per-round ratios (the GPU's
+clock drifts by several per cent over a run; a dense time taken once at the start moved the 16k ratios
+by up to 10 %). The construction table times building
 each pattern with `sparse_attn.patterns` on the GPU against Flex's `create_block_mask`, and
 relates it to our attention time at that length (Flex's create_block_mask with _compile=True,
 as recommended for long sequences; its eager form materialises L x L and runs out of memory at 128k).
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import statistics
 import sys
 from functools import partial
 
@@ -27,7 +33,7 @@ import torch
 
 import sparse_attn
 from sparse_attn import BlockSparseMask, patterns
-from sparse_attn.bench import flex_fn, tflops, time_ms
+from sparse_attn.bench import flex_fn, ratio_median, tflops, time_ms, time_rounds
 
 BLOCK = 128
 
@@ -118,6 +124,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds per pattern (ours, Flex, dense)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
@@ -128,17 +135,17 @@ def main(argv=None) -> int:
         f"B={args.batch} H={args.heads} D={args.head_dim} bf16 | blocks {BLOCK}x{BLOCK}"
     )
     print(header, flush=True)
-    lines = ["| L | pattern | density | ours ms | ours TFLOP/s | flex ms | vs flex | vs d·flash |", "|" + "---|" * 8]
+    lines = [
+        "| L | pattern | density | ours ms | ours TFLOP/s | flex ms | vs flex | vs d·flash | prop | eff/dense |",
+        "|" + "---|" * 10,
+    ]
     extra = []
     flex = flex_fn(dev)
     for length in args.lengths:
         qkv = make_qkv(args.batch, args.heads, length, args.head_dim, dev)
-        flash_ms = time_ms(partial(sparse_attn.flash_attention, *qkv), dev)
-        lines.append(
-            f"| {length} | dense flash_attention | 1.000 | {flash_ms:.3f} | "
-            f"{tflops(args.batch * args.heads * length * length, args.head_dim, flash_ms):.1f} | | | |"
-        )
-        print(lines[-1], flush=True)
+        dense = partial(sparse_attn.flash_attention, *qkv)
+        dense_pairs = args.batch * args.heads * length * length
+        dense_all = []
         for name, (mod, _) in flex_mask_mods(length, dev).items():
             if args.patterns and not any(p in name for p in args.patterns):
                 continue
@@ -146,31 +153,51 @@ def main(argv=None) -> int:
             ours = BlockSparseMask.from_flex(fbm)
             density = ours.density()
             pairs = float(ours.computed_pairs().double().mean()) * args.batch * args.heads
-            ours_ms = time_ms(partial(sparse_attn.block_sparse_attention, *qkv, ours), dev)
-            flex_ms = float("nan")
+            fns = {"ours": partial(sparse_attn.block_sparse_attention, *qkv, ours), "dense": dense}
             if not args.no_flex:
                 try:
                     out_f = flex(*qkv, block_mask=fbm)
                     out_o = sparse_attn.block_sparse_attention(*qkv, ours)
                     err = float((out_f.float() - out_o.float()).abs().max())
                     assert err < 5e-2, f"{name}: ours and Flex disagree by {err}"
-                    flex_ms = time_ms(partial(flex, *qkv, block_mask=fbm), dev)
+                    fns["flex"] = partial(flex, *qkv, block_mask=fbm)
                 except (RuntimeError, torch.OutOfMemoryError) as e:  # noqa: PERF203
                     print(f"flex failed on {name}: {str(e).splitlines()[0][:100]}", flush=True)
+            t = time_rounds(fns, dev, args.rounds)
+            dense_all += t["dense"]
+            ours_ms = statistics.median(t["ours"])
+            flex_ms, vs_flex = float("nan"), float("nan")
+            if "flex" in t:
+                flex_ms, vs_flex = statistics.median(t["flex"]), ratio_median(t["flex"], t["ours"])
+            vs_d = ratio_median(t["ours"], [density * x for x in t["dense"]])
+            prop = ratio_median(t["ours"], [density * x + 0.020 / 1.15 for x in t["dense"]])
+            eff = ratio_median([x / dense_pairs for x in t["dense"]], [x / pairs for x in t["ours"]])
             lines.append(
                 f"| {length} | {name} | {density:.3f} | {ours_ms:.3f} | {tflops(pairs, args.head_dim, ours_ms):.1f} | "
-                f"{flex_ms:.3f} | {flex_ms / ours_ms:.2f} | {ours_ms / (density * flash_ms):.2f} |"
+                f"{flex_ms:.3f} | {vs_flex:.2f} | {vs_d:.2f} | {prop:.2f} | {eff:.2f} |"
             )
             print(lines[-1], flush=True)
             if name.startswith("longformer"):
                 bal = balanced_like(ours, length, dev)
-                bal_ms = time_ms(partial(sparse_attn.block_sparse_attention, *qkv, bal), dev)
+                tb = time_rounds(
+                    {"ours": fns["ours"], "bal": partial(sparse_attn.block_sparse_attention, *qkv, bal)},
+                    dev,
+                    args.rounds,
+                )
                 extra.append(
-                    f"- L={length}: longformer with 64 global tokens (density {density:.3f}) {ours_ms:.3f} ms vs a "
-                    f"balanced band of the same block count (density {bal.density():.3f}) {bal_ms:.3f} ms: "
-                    f"ratio {ours_ms / bal_ms:.2f} (target <= 1.3)"
+                    f"- L={length}: longformer with 64 global tokens (density {density:.3f}) "
+                    f"{statistics.median(tb['ours']):.3f} ms vs a balanced band of the same block count (density "
+                    f"{bal.density():.3f}) {statistics.median(tb['bal']):.3f} ms: ratio "
+                    f"{ratio_median(tb['ours'], tb['bal']):.2f} (target <= 1.3)"
                 )
                 print(extra[-1], flush=True)
+        if dense_all:
+            dense_ms = statistics.median(dense_all)
+            lines.append(
+                f"| {length} | dense flash_attention (median of all rounds) | 1.000 | {dense_ms:.3f} | "
+                f"{tflops(dense_pairs, args.head_dim, dense_ms):.1f} | | | | | |"
+            )
+            print(lines[-1], flush=True)
         del qkv
         torch.cuda.empty_cache()
 

@@ -63,6 +63,24 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, min_reps: int = 3
     return statistics.median(times)
 
 
+def time_rounds(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 3) -> dict[str, list[float]]:
+    """Milliseconds of each fn over `rounds` rounds, every fn timed once per round (time_ms), in
+    rotated order. A GPU's clock drifts by several per cent over a minute of load, so ratios
+    between fns taken within one round are steadier than ratios of separately timed medians
+    (see ratio_median)."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            times[n].append(time_ms(fns[n], device))
+    return times
+
+
+def ratio_median(num: list[float], den: list[float]) -> float:
+    """Median over rounds of num[r] / den[r] (times from one time_rounds call)."""
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
+
+
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
     """Peak device memory fn() allocates beyond what is live before it (outputs included)."""
     if device.type != "cuda":

@@ -1,18 +1,21 @@
 """Hopper core A/B timing in one process: ours with the Hopper core (ping-pong on and off) and
-with the portable core, against SDPA cuDNN and compiled FlexAttention, same inputs, same run.
+with the portable core, against SDPA cuDNN, SDPA FlashAttention-2 and compiled FlexAttention, same
+inputs, same run: every variant and reference is timed once per round (--rounds), and the ratios are
+medians of the per-round ratios (the clock drifts by several per cent over a run).
 
     python tools/bench_sm90.py --lengths 4096 16384 --head-dims 128 64
 """
 
 import argparse
 import os
+import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sparse_attn
-from sparse_attn.bench import flex_fn, time_ms
+from sparse_attn.bench import flex_fn, ratio_median, time_rounds
 
 
 def with_env(fn, **env):
@@ -39,6 +42,7 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["hopper", "no-pingpong", "portable"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--rounds", type=int, default=3, help="rounds in which every variant and reference is timed once")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch._dynamo.config.cache_size_limit = 64  # one compile per shape; never fall back to eager
@@ -86,7 +90,6 @@ def run_case(args, dtype, d, causal, L, flex, dev):
             lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_SCHED="grid"
         ),
     }
-    res = [tf(time_ms(ours[name], dev)) for name in args.variants]
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -96,22 +99,27 @@ def run_case(args, dtype, d, causal, L, flex, dev):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    bm = None
     if causal:
         bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, L, L, device=dev)
     else:
         bm = create_block_mask(lambda b, h, i, j: i >= 0, None, None, L, L, device=dev)
-    c = tf(time_ms(cudnn, dev))
-    f2 = tf(time_ms(fa2, dev))
+    fns = {name: ours[name] for name in args.variants} | {"cudnn": cudnn, "fa2": fa2}
     try:
-        f = tf(time_ms(lambda: flex(q, k, v, block_mask=bm), dev))
+        flex(q, k, v, block_mask=bm)
+        fns["flex"] = lambda: flex(q, k, v, block_mask=bm)
     except Exception as e:  # noqa: BLE001
         print(f"flex failed: {type(e).__name__}", flush=True)
-        f = float("nan")
-    cells = " | ".join(f"{x:.1f}" for x in res)
+    # Every variant and reference once per round; ratios are medians of per-round ratios.
+    t = time_rounds(fns, dev, args.rounds)
+    med = {n: tf(statistics.median(x)) for n, x in t.items()}
+    first = t[args.variants[0]]
+    ratios = [ratio_median(t[r], first) if r in t else float("nan") for r in ("cudnn", "fa2", "flex")]
+    cells = " | ".join(f"{med[n]:.1f}" for n in args.variants)
+    refs = " | ".join(f"{med.get(n, float('nan')):.1f}" for n in ("cudnn", "fa2", "flex"))
     print(
-        f"| {d} | {'causal' if causal else 'full'} | {L} | {cells} | {c:.1f} | {f2:.1f} | {f:.1f} | "
-        f"{res[0] / c:.3f} | {res[0] / f2:.3f} | {res[0] / f:.3f} |",
+        f"| {d} | {'causal' if causal else 'full'} | {L} | {cells} | {refs} | "
+        + " | ".join(f"{x:.3f}" for x in ratios)
+        + " |",
         flush=True,
     )
 

@@ -1,0 +1,33 @@
+"""The benchmark's interleaved timing (sparse_attn.bench.time_rounds, ratio_median): every function is
+timed once per round in rotated order, and ratios are taken within a round."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_attn import bench
+
+
+def test_time_rounds_times_each_fn_once_per_round_in_rotated_order(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "time_ms", lambda fn, device: fn())
+    fns = {n: (lambda n=n: calls.append(n) or float(len(calls))) for n in ("a", "b", "c")}
+    times = bench.time_rounds(fns, torch.device("cpu"), rounds=4)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    # Each fn's list holds its own timings, round by round (here: the call's position).
+    assert times == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
+
+
+def test_ratio_median_pairs_rounds():
+    # A drift that doubles every time between rounds cancels in per-round ratios, not in medians.
+    ours, ref = [1.0, 2.0, 4.0, 8.0, 16.0], [1.1, 2.2, 4.4, 8.8, 17.6]
+    assert bench.ratio_median(ref, ours) == pytest.approx(1.1)
+    with pytest.raises(ValueError):
+        bench.ratio_median([1.0], [1.0, 2.0])
+
+
+def test_time_rounds_on_the_cpu():
+    x = torch.randn(64, 64)
+    times = bench.time_rounds({"mm": lambda: x @ x, "add": lambda: x + x}, torch.device("cpu"), rounds=2)
+    assert set(times) == {"mm", "add"} and all(len(v) == 2 and min(v) > 0 for v in times.values())
