@@ -180,6 +180,37 @@ def test_hopper_softmax_fast_and_guarded_paths(d, causal, scale):
         torch.testing.assert_close(out[:, :, 700].float(), v[:, :, 600].float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("lazy", ["1", "0"])
+def test_hopper_lazy_rescale_keeps_and_moves_the_running_max(monkeypatch, d, lazy):
+    # Head dim 128 keeps each row's running max until a tile's max exceeds it by more than 8
+    # (log2 units) and skips O's rescale in tiles where no row of the warp moved it. Rows 5, 6 and
+    # 900 meet planted keys whose log2 scores rise by 7.6 (kept: terms up to 2^7.6) and by 16.1
+    # (moved) in the order the tiles are visited (last key tile first for dense attention, first
+    # first for a block-sparse list); every other row is ordinary. Compared with the fp64 reference,
+    # with the lazy rescale on and off (SPARSE_ATTN_SM90_LAZY_RESCALE).
+    monkeypatch.setenv("SPARSE_ATTN_SM90_LAZY_RESCALE", lazy)
+    L = 1024
+    q, k, v = make_qkv(1, 2, 2, L, L, d, device="cuda", seed=7)
+    u = torch.zeros(d, device="cuda", dtype=q.dtype)
+    u[0] = 1
+    c = 8.0
+    per_log2 = c * d**-0.5 * 1.4426950408889634  # log2-unit score of u * t against c * u, per unit t
+    rows = [5, 6, 900]
+    q[:, :, rows] = (c * u).to(q.dtype)
+    for key, log2_score in ((1000, 2.0), (700, 9.6), (450, 25.7), (200, 33.3)):
+        k[:, :, key] = (u * (log2_score / per_log2)).to(k.dtype)
+    out, lse = sparse_attn.flash_attention(q, k, v, return_lse=True)
+    check_attention(out, lse, q, k, v, name=f"lazy={lazy} d={d} flash")
+    mask = sparse_attn.BlockSparseMask.from_block_matrix(
+        torch.ones(8, 8, dtype=torch.bool, device="cuda"), seq_lengths=(L, L)
+    )
+    out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
+    check_attention(out, lse, q, k, v, name=f"lazy={lazy} d={d} block-sparse")
+
+
 def _raw_block_sparse(q, k, v, mask, order):
     return torch.ops.sparse_attn.block_sparse_fwd(
         q,

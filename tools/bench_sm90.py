@@ -86,6 +86,9 @@ def run_case(args, dtype, d, causal, L, flex, dev):
         "d64-keys192": with_env(
             lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_BLOCKN="192"
         ),
+        "no-lazy-rescale": with_env(
+            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_LAZY_RESCALE="0"
+        ),
         "per-tile-grid": with_env(
             lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_SCHED="grid"
         ),

@@ -46,6 +46,7 @@ struct FlashSm90Params {
   AttnFwdParams p;
   CUtensorMap tma_q, tma_k, tma_v, tma_o;  // tma_o: boxes of 64 rows (one consumer's)
   int pingpong;
+  int lazy_rescale;       // see the kernel; SPARSE_ATTN_SM90_LAZY_RESCALE=0 turns it off (A/B timing)
   int32_t* tile_counter;  // zeroed before the launch; nullptr: static round-robin
 };
 
@@ -74,6 +75,10 @@ struct FlashSm90Traits {
   static constexpr int kQBytes = kColBlocks * kQColBytes;
   static constexpr int kKVBytes = kColBlocks * kKVColBytes;
   static constexpr bool kFoldScale = kHeadDim <= 64;  // the online softmax (see the kernel)
+  // Skip O's rescale in tiles where no row of the warp moves its (lazily kept) max: at head dim 128
+  // +2-4 %; at 64, whose O is half as wide, the vote cost more than it saved in the 128-row kernel
+  // (-2 to -3 % at 2k-8k, docs/PERF_LOG.md).
+  static constexpr bool kLazyRescale = kHeadDim >= 128;
   static constexpr int kBarriers =
       2 * kQStages + 4 * kStages + 2 * kSchedSlots + 1;  // Q, K/V, scheduler rings
   // Q ring, O staging, K and V rings (dynamic), within the 227 KB a block may opt into, less the
@@ -231,6 +236,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // boundaries too (one warpgroup's epilogue runs under the other's GEMMs). Warpgroup 1 arrives
   // once up front; warpgroup 0 consumes the one arrival left over at the end.
   const bool pingpong = Tr::kConsumers == 2 && P.pingpong != 0;
+  // Lazy rescale (Tr::kLazyRescale): a row's running max moves only when a tile's max exceeds it
+  // by more than kMaxStale (log2 units), so in most tiles no row of a warp changes its max and the
+  // warp skips the rescale of O (64 multiplies per thread at head dim 128).
+  const bool lazy = Tr::kLazyRescale && P.lazy_rescale != 0;
+  const float max_stale = lazy ? kMaxStale : 0.f;
   if (pingpong && wg == 1) named_barrier_arrive(5, 256);
 
   // The accumulators outlive their tile: a tile's output is written after the next tile's first
@@ -359,7 +369,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       } else {
         scale_scores(sc, p.scale_log2);
         mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
-        online_softmax(sc, row_max, row_sum, alpha);
+        online_softmax(sc, row_max, row_sum, alpha, max_stale);
         pv_done();  // P is packed after O's rescale (pack_p below)
       }
     };
@@ -402,7 +412,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         fence_regs(pa_flat);
         release(bar_v_empty, it - 1);
       });
-      rescale_o(acc_o, alpha);
+      if (!lazy || rescale_needed(alpha)) rescale_o(acc_o, alpha);
       if constexpr (!Tr::kFoldScale) pack_p<Tr::kDtype>(sc, pa);
     }
     if (n_tiles > 0) {
@@ -455,6 +465,9 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
   // timing.
   const char* pp = std::getenv("SPARSE_ATTN_SM90_PINGPONG");
   P.pingpong = pp == nullptr || pp[0] != '0';
+  // Lazy rescale: +2-4 % at head dim 128 (docs/PERF_LOG.md).
+  const char* lazy = std::getenv("SPARSE_ATTN_SM90_LAZY_RESCALE");
+  P.lazy_rescale = lazy == nullptr || lazy[0] != '0';
   const int elem = 2;
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_q, params.q, elem, params.d, params.lq, params.h, params.b,
                               params.q_row_stride, params.q_head_stride, params.q_batch_stride, Tr::kBlockM));

@@ -11,6 +11,10 @@
 
 namespace sparse_attn::cuda {
 
+// How far (log2 units) a tile's row max may exceed the running max before the running max moves,
+// where a kernel keeps it lazily (online_softmax's max_stale): the terms stay <= 2^8.
+constexpr float kMaxStale = 8.f;
+
 // Hides what the tile's iterator says is not visible (S = -inf there), scaled or not. row_base:
 // the query row of (mi = 0, half = 0); needed: tiles.tile_needs_mask(it), which a caller may
 // evaluate early (a block-sparse mask reads it from global memory) and pass in.
@@ -79,16 +83,25 @@ __device__ __forceinline__ void tile_row_max(const float (&s)[kMTiles][kNTiles][
 // thread; the quad reduction of the sum is left to the epilogue), and alpha, the factor O must be
 // rescaled by (rescale_o). The largest term of every row is exactly 1, at any magnitude. Phase by
 // phase over all rows, so that the dependency chains of different rows interleave.
+//
+// max_stale > 0 (log2 units, e.g. kMaxStale): the running max moves only when the tile's max
+// exceeds it by more than max_stale, so alpha is exactly 1 in most tiles and the caller may skip
+// the rescale of O (rescale_needed); the terms are then <= 2^max_stale instead of <= 1, which
+// changes nothing but rounding (O and the sum carry the same factor; fp32 and bf16 keep their
+// relative precision at either size).
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void online_softmax(float (&s)[kMTiles][kNTiles][4], float (&row_max)[kMTiles][2],
-                                               float (&row_sum)[kMTiles][2], float (&alpha)[kMTiles][2]) {
+                                               float (&row_sum)[kMTiles][2], float (&alpha)[kMTiles][2],
+                                               float max_stale = 0.f) {
   float mx[kMTiles][2], m_ref[kMTiles][2];
   tile_row_max(s, mx);
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float m_new = fmaxf(row_max[mi][half], mx[mi][half]);
+      const float m_new =
+          max_stale > 0.f ? (mx[mi][half] > row_max[mi][half] + max_stale ? mx[mi][half] : row_max[mi][half])
+                          : fmaxf(row_max[mi][half], mx[mi][half]);
       // A row with nothing visible so far keeps m = -inf; exp2 then uses 0 as reference.
       m_ref[mi][half] = m_new == -INFINITY ? 0.f : m_new;
       alpha[mi][half] = exp2f(row_max[mi][half] - m_ref[mi][half]);
@@ -217,6 +230,16 @@ __device__ __forceinline__ void softmax_start(float (&acc_o)[kMTiles][kDTiles][4
     row_max[mi][0] = row_max[mi][1] = -INFINITY;
     row_sum[mi][0] = row_sum[mi][1] = 0.f;
   }
+}
+
+// Whether any row of the warp has alpha != 1 (warp-uniform, so that skipping the rescale does not
+// diverge).
+template <int kMTiles>
+__device__ __forceinline__ bool rescale_needed(const float (&alpha)[kMTiles][2]) {
+  bool any = false;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) any = any || alpha[mi][0] != 1.f || alpha[mi][1] != 1.f;
+  return __any_sync(0xffffffffu, any);
 }
 
 template <int kMTiles, int kDTiles>
