@@ -484,7 +484,7 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
 }
 
 // Head dim 64, 128-row tiles, no band: 192-key tiles spread the per-tile work (row maxima, the
-// rescale, barriers) over 1.5x the scores (+3-7 % at 2k-12k, docs/PERF_LOG.md), but a ragged last
+// rescale, barriers) over 1.5x the scores (+2-8 % at 2k-8k, docs/PERF_LOG.md), but a ragged last
 // tile computes padding: taken when the keys padded to 192 exceed those padded to 128 by at most
 // 5 % (not at 1k: 1152 vs 1024). Causal and windowed attention keep 128 keys (their diagonal
 // tiles are masked; measured no gain). SPARSE_ATTN_SM90_D64_BLOCKN=128/192 forces one.
