@@ -65,33 +65,22 @@ def run_case(args, dtype, d, causal, L, flex, dev):
     q, k, v = (torch.randn(args.batch, args.heads, L, d, device=dev, dtype=dtype) for _ in range(3))
     pairs = args.batch * args.heads * L * (L + 1) / 2 if causal else args.batch * args.heads * L * L
     tf = lambda ms: 4 * pairs * d / ms / 1e9  # noqa: E731
+    # Each variant: our flash_attention with these environment switches set while it runs.
+    switches = {
+        "hopper": {},
+        "no-pingpong": {"SPARSE_ATTN_SM90_PINGPONG": "0"},
+        "portable": {"SPARSE_ATTN_SM90": "0"},
+        "pingpong": {"SPARSE_ATTN_SM90_PINGPONG": "1"},
+        "d64-rows128": {"SPARSE_ATTN_SM90_D64_ROWS": "128"},
+        "d64-rows192": {"SPARSE_ATTN_SM90_D64_ROWS": "192"},
+        "d64-keys128": {"SPARSE_ATTN_SM90_D64_BLOCKN": "128"},
+        "d64-keys192": {"SPARSE_ATTN_SM90_D64_BLOCKN": "192"},
+        "no-lazy-rescale": {"SPARSE_ATTN_SM90_LAZY_RESCALE": "0"},
+        "per-tile-grid": {"SPARSE_ATTN_SM90_SCHED": "grid"},
+    }
     ours = {
-        "hopper": lambda: sparse_attn.flash_attention(q, k, v, causal=causal),
-        "no-pingpong": with_env(
-            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_PINGPONG="0"
-        ),
-        "portable": with_env(lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90="0"),
-        "pingpong": with_env(
-            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_PINGPONG="1"
-        ),
-        "d64-rows128": with_env(
-            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_ROWS="128"
-        ),
-        "d64-rows192": with_env(
-            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_ROWS="192"
-        ),
-        "d64-keys128": with_env(
-            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_BLOCKN="128"
-        ),
-        "d64-keys192": with_env(
-            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_D64_BLOCKN="192"
-        ),
-        "no-lazy-rescale": with_env(
-            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_LAZY_RESCALE="0"
-        ),
-        "per-tile-grid": with_env(
-            lambda: sparse_attn.flash_attention(q, k, v, causal=causal), SPARSE_ATTN_SM90_SCHED="grid"
-        ),
+        name: with_env(lambda: sparse_attn.flash_attention(q, k, v, causal=causal), **env)
+        for name, env in switches.items()
     }
 
     def cudnn():
