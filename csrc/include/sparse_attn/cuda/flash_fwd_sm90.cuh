@@ -74,7 +74,6 @@ struct FlashSm90Traits {
   static constexpr int kKVColBytes = kBlockN * 128;  // one 64-column block of a K or V tile
   static constexpr int kQBytes = kColBlocks * kQColBytes;
   static constexpr int kKVBytes = kColBlocks * kKVColBytes;
-  static constexpr bool kFoldScale = kHeadDim <= 64;  // the online softmax (see the kernel)
   // Skip O's rescale in tiles where no row of the warp moves its (lazily kept) max: at head dim 128
   // +2-4 %; at 64, whose O is half as wide, the vote cost more than it saved in the 128-row kernel
   // (-2 to -3 % at 2k-8k, docs/PERF_LOG.md).
@@ -356,22 +355,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     };
 
     // The online softmax of S(it) into P (pa) and alpha; pv_done() waits for the P V GEMM in
-    // flight, which reads pa. Head dim 64 folds the scale into the exponent (one FFMA per score;
-    // its softmax is the bottleneck: +5-8 %); 128 scales first (there the fold's guard, which
-    // keeps the raw scores live next to P, cost more than the multiply saved: docs/PERF_LOG.md).
+    // flight, which reads pa. The scale is folded into the exponent (one FFMA per score, the
+    // guarded fast path of flash_softmax.cuh; with the lazy rescale +4.5-7.5 % at head dim 128,
+    // docs/PERF_LOG.md).
     auto softmax = [&](int it, bool need_mask, float (&alpha)[1][2], auto pv_done) {
-      if constexpr (Tr::kFoldScale) {
-        float m_new[1][2];
-        mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
-        softmax_fold_max(sc, row_max, m_new, p.scale_log2);
-        pv_done();
-        softmax_fold_exp<Tr::kDtype>(sc, m_new, row_max, row_sum, alpha, pa, p.scale_log2);
-      } else {
-        scale_scores(sc, p.scale_log2);
-        mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
-        online_softmax(sc, row_max, row_sum, alpha, max_stale);
-        pv_done();  // P is packed after O's rescale (pack_p below)
-      }
+      float m_new[1][2];
+      mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
+      softmax_fold_max(sc, row_max, m_new, p.scale_log2, max_stale);
+      pv_done();
+      softmax_fold_exp<Tr::kDtype>(sc, m_new, row_max, row_sum, alpha, pa, p.scale_log2);
     };
 
     if (n_tiles > 0) {
@@ -389,7 +381,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       if (n_tiles == 1) release_q();
       float alpha[1][2];
       softmax(0, need_mask, alpha, [] {});  // O is still zero: nothing to rescale
-      if constexpr (!Tr::kFoldScale) pack_p<Tr::kDtype>(sc, pa);
     } else {
       flush_and_start();  // this tile's output is zeros (LSE -inf)
     }
@@ -413,7 +404,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         release(bar_v_empty, it - 1);
       });
       if (!lazy || rescale_needed(alpha)) rescale_o(acc_o, alpha);
-      if constexpr (!Tr::kFoldScale) pack_p<Tr::kDtype>(sc, pa);
     }
     if (n_tiles > 0) {
       turn_begin();

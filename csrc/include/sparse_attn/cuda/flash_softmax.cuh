@@ -12,7 +12,7 @@
 namespace sparse_attn::cuda {
 
 // How far (log2 units) a tile's row max may exceed the running max before the running max moves,
-// where a kernel keeps it lazily (online_softmax's max_stale): the terms stay <= 2^8.
+// where a kernel keeps it lazily (softmax_fold_max's max_stale): the terms stay <= 2^8.
 constexpr float kMaxStale = 8.f;
 
 // Hides what the tile's iterator says is not visible (S = -inf there), scaled or not. row_base:
@@ -83,25 +83,16 @@ __device__ __forceinline__ void tile_row_max(const float (&s)[kMTiles][kNTiles][
 // thread; the quad reduction of the sum is left to the epilogue), and alpha, the factor O must be
 // rescaled by (rescale_o). The largest term of every row is exactly 1, at any magnitude. Phase by
 // phase over all rows, so that the dependency chains of different rows interleave.
-//
-// max_stale > 0 (log2 units, e.g. kMaxStale): the running max moves only when the tile's max
-// exceeds it by more than max_stale, so alpha is exactly 1 in most tiles and the caller may skip
-// the rescale of O (rescale_needed); the terms are then <= 2^max_stale instead of <= 1, which
-// changes nothing but rounding (O and the sum carry the same factor; fp32 and bf16 keep their
-// relative precision at either size).
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void online_softmax(float (&s)[kMTiles][kNTiles][4], float (&row_max)[kMTiles][2],
-                                               float (&row_sum)[kMTiles][2], float (&alpha)[kMTiles][2],
-                                               float max_stale = 0.f) {
+                                               float (&row_sum)[kMTiles][2], float (&alpha)[kMTiles][2]) {
   float mx[kMTiles][2], m_ref[kMTiles][2];
   tile_row_max(s, mx);
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float m_new =
-          max_stale > 0.f ? (mx[mi][half] > row_max[mi][half] + max_stale ? mx[mi][half] : row_max[mi][half])
-                          : fmaxf(row_max[mi][half], mx[mi][half]);
+      const float m_new = fmaxf(row_max[mi][half], mx[mi][half]);
       // A row with nothing visible so far keeps m = -inf; exp2 then uses 0 as reference.
       m_ref[mi][half] = m_new == -INFINITY ? 0.f : m_new;
       alpha[mi][half] = exp2f(row_max[mi][half] - m_ref[mi][half]);
@@ -161,16 +152,26 @@ __device__ __forceinline__ void exp_pack(const float (&s)[kMTiles][kNTiles][4], 
 // magnitudes where one ulp of the max is no longer small, TESTING.md 3.3 #27-28), the warp redoes
 // the tile from S the way online_softmax does (scale first; masked entries stay -inf whatever the
 // scale's sign). The check runs after the exponentials, so that it adds no latency to them.
+//
+// max_stale > 0 (log2 units, kMaxStale): the running max moves only when the tile's max exceeds it
+// by more than max_stale, so alpha is exactly 1 in most tiles and the caller may skip the rescale
+// of O (rescale_needed); the terms are then <= 2^max_stale instead of <= 1 (exponents <= max_stale
+// + one rounding), which changes nothing but rounding: O and the sum carry the same factor, and
+// fp32 and bf16 keep their relative precision at either size.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void softmax_fold_max(const float (&s)[kMTiles][kNTiles][4],
                                                  const float (&row_max)[kMTiles][2],
-                                                 float (&m_new)[kMTiles][2], float scale_log2) {
+                                                 float (&m_new)[kMTiles][2], float scale_log2,
+                                                 float max_stale = 0.f) {
   tile_row_max(s, m_new);
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
-      m_new[mi][half] = fmaxf(row_max[mi][half], __fmul_ru(m_new[mi][half], scale_log2));
+    for (int half = 0; half < 2; ++half) {
+      const float m = __fmul_ru(m_new[mi][half], scale_log2);
+      m_new[mi][half] = max_stale > 0.f ? (m > row_max[mi][half] + max_stale ? m : row_max[mi][half])
+                                        : fmaxf(row_max[mi][half], m);
+    }
 }
 
 template <ScalarKind kDtype, int kMTiles, int kNTiles>
