@@ -190,7 +190,8 @@ def test_hopper_lazy_rescale_keeps_and_moves_the_running_max(monkeypatch, d, laz
     # 900 meet planted keys whose log2 scores rise by 7.6 (kept: terms up to 2^7.6) and by 16.1
     # (moved) in the order the tiles are visited (last key tile first for dense attention, first
     # first for a block-sparse list); every other row is ordinary. Compared with the fp64 reference,
-    # with the lazy rescale on and off (SPARSE_ATTN_SM90_LAZY_RESCALE).
+    # with the lazy rescale on and off (SPARSE_ATTN_SM90_LAZY_RESCALE); head dim 64 rescales eagerly
+    # either way and runs the same planted rows through its folded softmax.
     monkeypatch.setenv("SPARSE_ATTN_SM90_LAZY_RESCALE", lazy)
     L = 1024
     q, k, v = make_qkv(1, 2, 2, L, L, d, device="cuda", seed=7)
