@@ -47,6 +47,7 @@ struct FlashSm90Params {
   CUtensorMap tma_q, tma_k, tma_v, tma_o;  // tma_o: boxes of 64 rows (one consumer's)
   int pingpong;
   int lazy_rescale;       // see the kernel; SPARSE_ATTN_SM90_LAZY_RESCALE=0 turns it off (A/B timing)
+  int merge_boundary;     // see the kernel; SPARSE_ATTN_SM90_MERGE_BOUNDARY=0 turns it off (A/B timing)
   int32_t* tile_counter;  // zeroed before the launch; nullptr: static round-robin
 };
 
@@ -285,6 +286,57 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     softmax_start(acc_o, row_max, row_sum);
   };
 
+  float sc[1][kNTiles][4];
+  auto& s_flat = reinterpret_cast<float (&)[kNTiles * 4]>(sc);
+  uint32_t pa[1][kBlockN / 16][4];
+  auto& pa_flat = reinterpret_cast<uint32_t (&)[kBlockN / 4]>(pa);
+
+  // O += P V of key tile kv + it: kBlockN / 16 wgmmas of K = 16 keys; V is MN-major (head dim
+  // contiguous): 16 keys are 16 rows (2048 bytes) of every column block, column blocks
+  // kKVColBytes apart. it = -1: the previous tile's last (kv has moved past it).
+  auto issue_pv = [&](int it) {
+    const int s = (kv + it) % kStages;
+    mbar_wait(bar_v_full + 8 * s, ((kv + it) / kStages) & 1);
+    wgmma_fence();
+    static_for<kBlockN / 16>([&](auto kk_) {
+      constexpr int kk = decltype(kk_)::value;
+      const uint64_t db = sw128_desc(sV + s * Tr::kKVBytes + kk * 2048, Tr::kKVColBytes, 1024);
+      Wgmma<Tr::kDtype, Tr::kHeadDim>::rs(o_flat, pa[0][kk], db);
+    });
+    wgmma_commit();
+  };
+  auto release = [&](uint32_t bar, int it) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar + 8 * ((kv + it) % kStages));
+  };
+  auto turn_begin = [&]() {
+    if (pingpong) named_barrier(5 + wg, 256);
+  };
+  auto turn_end = [&]() {
+    if (pingpong) named_barrier_arrive(5 + (1 - wg), 256);
+  };
+  // After the P V GEMM of key tile kv + it has been waited for: O and P are free again.
+  auto pv_retired = [&](int it) {
+    fence_regs(o_flat);
+    fence_regs(pa_flat);
+    release(bar_v_empty, it);
+  };
+  // Merged tile boundary (P.merge_boundary): a tile's last P V is issued in the same turn as the
+  // next tile's first Q K^T instead of in a turn of its own, so a tile of n key tiles costs each
+  // consumer n turns, not n + 1, and the tensor cores get no half-size turns at the boundary
+  // (the epilogue then runs after the next tile's row maxima, under the other consumer's turn).
+  // pv_pending: the previous tile's last P V is not issued yet.
+  const bool merge = P.merge_boundary != 0;
+  bool pv_pending = false;
+  auto retire_pending_alone = [&]() {
+    turn_begin();
+    issue_pv(-1);
+    turn_end();
+    wgmma_wait<0>();
+    pv_retired(-1);
+    pv_pending = false;
+  };
+
   for (int sn = 0;; ++sn) {
     const int slot = sn % Tr::kSchedSlots;
     mbar_wait(bar_sched_full + 8 * slot, (sn / Tr::kSchedSlots) & 1);
@@ -303,11 +355,6 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     // This warpgroup's 64 rows of Q buffer qs, within each column block.
     const uint32_t q_rows = sQ + qs * Tr::kQBytes + wg * 64 * 128;
 
-    float sc[1][kNTiles][4];
-    auto& s_flat = reinterpret_cast<float (&)[kNTiles * 4]>(sc);
-    uint32_t pa[1][kBlockN / 16][4];
-    auto& pa_flat = reinterpret_cast<uint32_t (&)[kBlockN / 4]>(pa);
-
     // S = Q K^T of tile it: kHeadDim / 16 wgmmas of K = 16, both operands K-major. Within a
     // 128-byte swizzle row a K step of 16 elements is +32 bytes of start address. Committed as
     // one group, not waited for.
@@ -324,68 +371,50 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       });
       wgmma_commit();
     };
-    // O += P V of tile it: kBlockN / 16 wgmmas of K = 16 keys; V is MN-major (head dim
-    // contiguous): 16 keys are 16 rows (2048 bytes) of every column block, column blocks
-    // kKVColBytes apart.
-    auto issue_pv = [&](int it) {
-      const int s = (kv + it) % kStages;
-      mbar_wait(bar_v_full + 8 * s, ((kv + it) / kStages) & 1);
-      wgmma_fence();
-      static_for<kBlockN / 16>([&](auto kk_) {
-        constexpr int kk = decltype(kk_)::value;
-        const uint64_t db = sw128_desc(sV + s * Tr::kKVBytes + kk * 2048, Tr::kKVColBytes, 1024);
-        Wgmma<Tr::kDtype, Tr::kHeadDim>::rs(o_flat, pa[0][kk], db);
-      });
-      wgmma_commit();
-    };
-    auto release = [&](uint32_t bar, int it) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar + 8 * ((kv + it) % kStages));
-    };
-    auto turn_begin = [&]() {
-      if (pingpong) named_barrier(5 + wg, 256);
-    };
-    auto turn_end = [&]() {
-      if (pingpong) named_barrier_arrive(5 + (1 - wg), 256);
-    };
     // Q buffer qs may be refilled once every warp's last Q K^T of this tile is done.
     auto release_q = [&]() {
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_q_empty + 8 * qs);
     };
 
-    // The online softmax of S(it) into P (pa) and alpha; pv_done() waits for the P V GEMM in
-    // flight, which reads pa. The scale is folded into the exponent (one FFMA per score, the
-    // guarded fast path of flash_softmax.cuh; with the lazy rescale +4.5-7.5 % at head dim 128,
-    // docs/PERF_LOG.md).
-    auto softmax = [&](int it, bool need_mask, float (&alpha)[1][2], auto pv_done) {
-      float m_new[1][2];
-      mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
-      softmax_fold_max(sc, row_max, m_new, p.scale_log2, max_stale);
-      pv_done();
-      softmax_fold_exp<Tr::kDtype>(sc, m_new, row_max, row_sum, alpha, pa, p.scale_log2);
-    };
-
     if (n_tiles > 0) {
       mbar_wait(bar_q_full + 8 * qs, (qn / Tr::kQStages) & 1);
       turn_begin();
       issue_qk(0);
+      if (pv_pending) issue_pv(-1);  // the previous tile's last, behind this Q K^T
       turn_end();
       // Whether S needs masking is read before the wait, so that a block-sparse mask's global
       // reads overlap the GEMM instead of following it.
       const bool need_mask = tiles.tile_needs_mask(0);
-      flush_and_start();  // the previous tile's output, under this Q K^T
-      wgmma_wait<0>();
+      if (pv_pending) {
+        wgmma_wait<1>();
+      } else {
+        flush_and_start();  // the previous tile's output, under this Q K^T
+        wgmma_wait<0>();
+      }
       fence_regs(s_flat);
       release(bar_k_empty, 0);
       if (n_tiles == 1) release_q();
-      float alpha[1][2];
-      softmax(0, need_mask, alpha, [] {});  // O is still zero: nothing to rescale
+      // The first tile's softmax, against a fresh running max (O is still zero: no rescale).
+      float m_new[1][2], alpha[1][2];
+      const float fresh_max[1][2] = {{-INFINITY, -INFINITY}};
+      mask_scores<kBlockN>(sc, tiles, 0, row_base, t, need_mask);
+      softmax_fold_max(sc, fresh_max, m_new, p.scale_log2, max_stale);
+      if (pv_pending) {
+        wgmma_wait<0>();
+        pv_retired(-1);
+        pv_pending = false;
+        flush_and_start();  // the previous tile's output, then fresh accumulators
+      }
+      softmax_fold_exp<Tr::kDtype>(sc, m_new, row_max, row_sum, alpha, pa, p.scale_log2);
     } else {
+      if (pv_pending) retire_pending_alone();
       flush_and_start();  // this tile's output is zeros (LSE -inf)
     }
     // Steady state: the GEMMs of S(it) and of O += P(it - 1) V(it - 1) are in flight together;
-    // the softmax of S(it) starts while the tensor cores finish the second.
+    // the softmax of S(it) starts while the tensor cores finish the second. The scale is folded
+    // into the exponent (one FFMA per score, the guarded fast path of flash_softmax.cuh; with the
+    // lazy rescale +4.5-7.5 % at head dim 128, docs/PERF_LOG.md).
     for (int it = 1; it < n_tiles; ++it) {
       turn_begin();
       issue_qk(it);
@@ -396,29 +425,24 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       fence_regs(s_flat);
       release(bar_k_empty, it);
       if (it == n_tiles - 1) release_q();
-      float alpha[1][2];
-      softmax(it, need_mask, alpha, [&] {
-        wgmma_wait<0>();
-        fence_regs(o_flat);
-        fence_regs(pa_flat);
-        release(bar_v_empty, it - 1);
-      });
+      float m_new[1][2], alpha[1][2];
+      mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
+      softmax_fold_max(sc, row_max, m_new, p.scale_log2, max_stale);
+      wgmma_wait<0>();  // P V of it - 1, which reads pa
+      pv_retired(it - 1);
+      softmax_fold_exp<Tr::kDtype>(sc, m_new, row_max, row_sum, alpha, pa, p.scale_log2);
       if (!lazy || rescale_needed(alpha)) rescale_o(acc_o, alpha);
     }
     if (n_tiles > 0) {
-      turn_begin();
-      issue_pv(n_tiles - 1);
-      turn_end();
-      wgmma_wait<0>();
-      fence_regs(o_flat);
-      fence_regs(pa_flat);
-      release(bar_v_empty, n_tiles - 1);
       kv += n_tiles;
       ++qn;
+      pv_pending = true;
+      if (!merge) retire_pending_alone();
     }
     out_bh = bh;
     out_m0 = m0;
   }
+  if (pv_pending) retire_pending_alone();
   if (out_m0 >= 0) epilogue();
   if (tid == 0) bulk_wait_group<0, false>();       // the staging buffer lives until the stores finish
   if (pingpong && wg == 0) named_barrier(5, 256);  // warpgroup 1's last arrival
@@ -458,6 +482,9 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
   // Lazy rescale: +2-4 % at head dim 128 (docs/PERF_LOG.md).
   const char* lazy = std::getenv("SPARSE_ATTN_SM90_LAZY_RESCALE");
   P.lazy_rescale = lazy == nullptr || lazy[0] != '0';
+  // Merged tile boundary: see the kernel.
+  const char* merge = std::getenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY");
+  P.merge_boundary = merge == nullptr || merge[0] != '0';
   const int elem = 2;
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_q, params.q, elem, params.d, params.lq, params.h, params.b,
                               params.q_row_stride, params.q_head_stride, params.q_batch_stride, Tr::kBlockM));
