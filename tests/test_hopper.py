@@ -212,6 +212,58 @@ def test_hopper_lazy_rescale_keeps_and_moves_the_running_max(monkeypatch, d, laz
     check_attention(out, lse, q, k, v, name=f"lazy={lazy} d={d} block-sparse")
 
 
+@pytest.mark.cuda
+@hopper
+@pytest.mark.parametrize(
+    "d,rows,case",
+    [
+        (d, rows, case)
+        for d, rows in ((128, None), (64, "128"))
+        for case in ("causal", "random_empty_rows", "one_block_per_row")
+    ]
+    + [(64, "192", "causal")],  # 192-row tiles serve the dense family only
+)
+def test_hopper_merged_tile_boundary_changes_no_bit(monkeypatch, d, rows, case):
+    # A tile's last P V goes in the same turn as the next tile's first Q K^T (the default), or in
+    # a turn of its own (SPARSE_ATTN_SM90_MERGE_BOUNDARY=0): the same GEMMs on the same operands,
+    # so bit for bit the same output, across tiles with no key block (pending P V retired alone)
+    # and tiles of a single key block (the merged turn is also the tile's last), with two
+    # consumers (ping-pong) and three (head dim 64, 192-row tiles; dense family only).
+    if rows is not None:
+        monkeypatch.setenv("SPARSE_ATTN_SM90_D64_ROWS", rows)
+    L = 4224  # 33 query tiles x 12 heads: several tiles per persistent CTA
+    q, k, v = make_qkv(1, 12, 4, L, L, d, device="cuda", seed=d + len(case))
+    nb = L // 128
+    blocks = {
+        "random_empty_rows": lambda: patterns.random_blocks(L, 0.08, seed=5, device="cuda"),
+        "one_block_per_row": lambda: sparse_attn.BlockSparseMask.from_block_matrix(
+            torch.eye(nb, dtype=torch.bool, device="cuda").roll(3, dims=1), seq_lengths=(L, L)
+        ),
+    }
+    mask = blocks[case]() if case in blocks else None
+
+    def run():
+        if mask is None:
+            return sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
+        return sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
+
+    out, lse = run()
+    monkeypatch.setenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY", "0")
+    out_apart, lse_apart = run()
+    torch.testing.assert_close(out, out_apart, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_apart, rtol=0, atol=0)
+    check_attention(
+        out,
+        lse,
+        q,
+        k,
+        v,
+        mask=None if mask is None else mask.to_dense(),
+        causal=mask is None,
+        name=f"merged boundary {case} d={d}",
+    )
+
+
 def _raw_block_sparse(q, k, v, mask, order):
     return torch.ops.sparse_attn.block_sparse_fwd(
         q,
