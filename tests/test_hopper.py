@@ -224,11 +224,12 @@ def test_hopper_lazy_rescale_keeps_and_moves_the_running_max(monkeypatch, d, laz
     + [(64, "192", "causal")],  # 192-row tiles serve the dense family only
 )
 def test_hopper_merged_tile_boundary_changes_no_bit(monkeypatch, d, rows, case):
-    # A tile's last P V goes in the same turn as the next tile's first Q K^T (the default), or in
-    # a turn of its own (SPARSE_ATTN_SM90_MERGE_BOUNDARY=0): the same GEMMs on the same operands,
-    # so bit for bit the same output, across tiles with no key block (pending P V retired alone)
-    # and tiles of a single key block (the merged turn is also the tile's last), with two
-    # consumers (ping-pong) and three (head dim 64, 192-row tiles; dense family only).
+    # A tile's last P V goes in the same turn as the next tile's first Q K^T
+    # (SPARSE_ATTN_SM90_MERGE_BOUNDARY=1, the default for block-sparse masks), or in a turn of its
+    # own (=0, the dense family's default): the same GEMMs on the same operands, so bit for bit
+    # the same output, across tiles with no key block (pending P V retired alone) and tiles of a
+    # single key block (the merged turn is also the tile's last). The three-consumer kernel (head
+    # dim 64, 192-row tiles) never merges: its case checks that the switch leaves it alone.
     if rows is not None:
         monkeypatch.setenv("SPARSE_ATTN_SM90_D64_ROWS", rows)
     L = 4224  # 33 query tiles x 12 heads: several tiles per persistent CTA
@@ -247,6 +248,7 @@ def test_hopper_merged_tile_boundary_changes_no_bit(monkeypatch, d, rows, case):
             return sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
         return sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
 
+    monkeypatch.setenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY", "1")
     out, lse = run()
     monkeypatch.setenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY", "0")
     out_apart, lse_apart = run()

@@ -117,7 +117,7 @@ def main() -> int:
     sources = sorted((ROOT / "csrc").rglob("*.cu"))
     glue = sorted((ROOT / "csrc" / "api").glob("*_cuda.cpp"))
     glue_inc = [ROOT / "csrc" / "include", ROOT / "csrc" / "api", *torch_includes(), *kernel_inc[1:]]
-    failures, spills = [], []
+    failures, spills, serialized = [], [], []
     with tempfile.TemporaryDirectory() as out, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         jobs = [pool.submit(compile_cu, nvcc, s, a, kernel_inc, Path(out)) for s in sources for a in args.archs]
         jobs += [pool.submit(compile_glue, g, glue_inc) for g in glue]
@@ -128,6 +128,13 @@ def main() -> int:
                 failures.append(name)
                 print(f"FAIL {name}\n{log}", flush=True)
                 continue
+            # ptxas serialising wgmma (C7514, C7515: a non-wgmma instruction touches an in-flight
+            # accumulator on some path) costs the Hopper kernels 20-40 % with no other symptom
+            # (docs/PERF_LOG.md): a failure, not a note.
+            if re.search(r"wgmma\S* instructions are serialized", log):
+                serialized.append(name)
+                print(f"FAIL {name}: ptxas serialised wgmma\n{log}", flush=True)
+                continue
             spilled = [m for m in re.findall(r"(\d+) bytes spill stores", log) if m != "0"]
             if spilled:
                 spills.append(f"{name}: {max(map(int, spilled))} bytes of spill stores")
@@ -136,9 +143,9 @@ def main() -> int:
         print(f"note: {s}")
     print(
         f"{len(sources) * len(args.archs) + len(glue) - len(failures)} translation units compiled, "
-        f"{len(failures)} failed"
+        f"{len(failures)} failed, {len(serialized)} with serialised wgmma"
     )
-    return 1 if failures else 0
+    return 1 if failures or serialized else 0
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ struct FlashSm90Params {
   CUtensorMap tma_q, tma_k, tma_v, tma_o;  // tma_o: boxes of 64 rows (one consumer's)
   int pingpong;
   int lazy_rescale;       // see the kernel; SPARSE_ATTN_SM90_LAZY_RESCALE=0 turns it off (A/B timing)
-  int merge_boundary;     // see the kernel; SPARSE_ATTN_SM90_MERGE_BOUNDARY=0 turns it off (A/B timing)
+  int merge_boundary;     // see the kernel and the launcher
   int32_t* tile_counter;  // zeroed before the launch; nullptr: static round-robin
 };
 
@@ -326,10 +326,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // next tile's first Q K^T instead of in a turn of its own, so a tile of n key tiles costs each
   // consumer n turns, not n + 1, and the tensor cores get no half-size turns at the boundary
   // (the epilogue then runs after the next tile's row maxima, under the other consumer's turn).
-  // Short block-sparse tiles +0.3-2.8 %, dense and causal unchanged; issuing that P V ahead of
-  // the Q K^T, so that the epilogue overlaps the Q K^T, measured 0-3 % slower (docs/PERF_LOG.md).
+  // Short block-sparse tiles +0.4-2.0 %, dense 0.988 (docs/PERF_LOG.md). Two consumers only:
+  // the three-consumer kernel (160 registers) spilled with it, and has no turns to merge.
   // pv_pending: the previous tile's last P V is not issued yet.
-  const bool merge = P.merge_boundary != 0;
+  const bool merge = Tr::kConsumers == 2 && P.merge_boundary != 0;
   bool pv_pending = false;
   auto retire_pending_alone = [&]() {
     turn_begin();
@@ -382,32 +382,43 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
     if (n_tiles > 0) {
       mbar_wait(bar_q_full + 8 * qs, (qn / Tr::kQStages) & 1);
-      turn_begin();
-      issue_qk(0);
-      if (pv_pending) issue_pv(-1);  // the previous tile's last, behind this Q K^T
-      turn_end();
-      // Whether S needs masking is read before the wait, so that a block-sparse mask's global
-      // reads overlap the GEMM instead of following it.
-      const bool need_mask = tiles.tile_needs_mask(0);
-      if (pv_pending) {
-        wgmma_wait<1>();
-      } else {
-        flush_and_start();  // the previous tile's output, under this Q K^T
-        wgmma_wait<0>();
-      }
-      fence_regs(s_flat);
-      release(bar_k_empty, 0);
-      if (n_tiles == 1) release_q();
       // The first tile's softmax, against a fresh running max (O is still zero: no rescale).
+      // Whether S needs masking is read before the wait, so that a block-sparse mask's global
+      // reads overlap the GEMM instead of following it. The two cases are separate branches, not
+      // one with tests of pv_pending inside: ptxas follows each path through such tests on its
+      // own, and on the path that pairs "P V issued" with "not waited for" it sees O's registers
+      // written under an in-flight wgmma and serialises every wgmma of the kernel (C7515).
       float m_new[1][2], alpha[1][2];
       const float fresh_max[1][2] = {{-INFINITY, -INFINITY}};
-      mask_scores<kBlockN>(sc, tiles, 0, row_base, t, need_mask);
-      softmax_fold_max(sc, fresh_max, m_new, p.scale_log2, max_stale);
+      auto first_scores = [&]() {
+        fence_regs(s_flat);
+        release(bar_k_empty, 0);
+        if (n_tiles == 1) release_q();
+      };
       if (pv_pending) {
+        turn_begin();
+        issue_qk(0);
+        issue_pv(-1);  // the previous tile's last, behind this Q K^T
+        turn_end();
+        const bool need_mask = tiles.tile_needs_mask(0);
+        wgmma_wait<1>();
+        first_scores();
+        mask_scores<kBlockN>(sc, tiles, 0, row_base, t, need_mask);
+        softmax_fold_max(sc, fresh_max, m_new, p.scale_log2, max_stale);
         wgmma_wait<0>();
         pv_retired(-1);
         pv_pending = false;
         flush_and_start();  // the previous tile's output, then fresh accumulators
+      } else {
+        turn_begin();
+        issue_qk(0);
+        turn_end();
+        const bool need_mask = tiles.tile_needs_mask(0);
+        flush_and_start();  // the previous tile's output, under this Q K^T
+        wgmma_wait<0>();
+        first_scores();
+        mask_scores<kBlockN>(sc, tiles, 0, row_base, t, need_mask);
+        softmax_fold_max(sc, fresh_max, m_new, p.scale_log2, max_stale);
       }
       softmax_fold_exp<Tr::kDtype>(sc, m_new, row_max, row_sum, alpha, pa, p.scale_log2);
     } else {
@@ -485,9 +496,11 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
   // Lazy rescale: +2-4 % at head dim 128 (docs/PERF_LOG.md).
   const char* lazy = std::getenv("SPARSE_ATTN_SM90_LAZY_RESCALE");
   P.lazy_rescale = lazy == nullptr || lazy[0] != '0';
-  // Merged tile boundary: see the kernel.
+  // Merged tile boundary (see the kernel): block-sparse masks only, whose tiles are short
+  // (+0.4-2.0 %); dense, causal and windowed attention measured 0.988-0.999 with it.
+  // SPARSE_ATTN_SM90_MERGE_BOUNDARY=0/1 forces it off or on (A/B timing, tests).
   const char* merge = std::getenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY");
-  P.merge_boundary = merge == nullptr || merge[0] != '0';
+  P.merge_boundary = merge == nullptr ? Tr::kBlockSparse : merge[0] != '0';
   const int elem = 2;
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_q, params.q, elem, params.d, params.lq, params.h, params.b,
                               params.q_row_stride, params.q_head_stride, params.q_batch_stride, Tr::kBlockM));
