@@ -301,3 +301,42 @@ def test_q_block_order_shape_is_checked(device):
     bad = torch.arange(mask.num_q_blocks, dtype=torch.int32, device=device)  # missing the count
     with pytest.raises(RuntimeError, match=r"q_block_order must have shape \(5,\)"):
         _raw_block_sparse(q, k, v, mask, bad)
+
+
+def test_misaligned_partial_mask_words_give_the_same_output(device):
+    # The Hopper core reads a row of mask words as one 16-byte load; words that start off a 16-byte
+    # boundary (a view into a larger tensor) are copied before the launch, never read misaligned.
+    L = 1000
+    q, k, v = make_qkv(1, 2, 2, L, L, 128, device=device, seed=5)
+    mask = patterns.dilated(L, 300, 3, device=device)
+    assert mask.partial_masks.shape[0] > 0
+    words = torch.zeros(mask.partial_masks.numel() + 1, dtype=torch.int32, device=device)[1:]
+    words = words.view_as(mask.partial_masks).copy_(mask.partial_masks)
+    assert words.data_ptr() % 16 != 0
+    shifted = sparse_attn.BlockSparseMask(
+        mask.kv_num_blocks, mask.kv_indices, mask.kv_partial, words, seq_lengths=(L, L), block_size=mask.block_size
+    )
+    expected = sparse_attn.block_sparse_attention(q, k, v, mask)
+    torch.testing.assert_close(sparse_attn.block_sparse_attention(q, k, v, shifted), expected, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@hopper
+def test_hopper_invalid_list_entries_add_nothing():
+    # The raw op takes the mask tensors unvalidated: an entry whose key block or partial id is out
+    # of range must add nothing (the kernel re-checks each entry before it reads mask words).
+    L = 384
+    q, k, v = make_qkv(1, 2, 2, L, L, 128, device="cuda", seed=11)
+    words = torch.randint(0, 1 << 30, (1, 128, 4), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    words = words.to(torch.int32).cuda()
+    # Query block 0: key block 0 (full) and 7 (out of range); 1: key block 1 with partial id 5
+    # (out of range); 2: key block 1 (full) and 2 (partial 0).
+    cnt = torch.tensor([[[2, 1, 2]]], dtype=torch.int32, device="cuda")
+    idx = torch.tensor([[[[0, 7], [1, 0], [1, 2]]]], dtype=torch.int32, device="cuda")
+    part = torch.tensor([[[[-1, -1], [5, -1], [-1, 0]]]], dtype=torch.int32, device="cuda")
+    out, lse = torch.ops.sparse_attn.block_sparse_fwd(q, k, v, cnt, idx, part, words, 128, 128, None, None)
+    dense = torch.zeros(L, L, dtype=torch.bool, device="cuda")
+    dense[:128, :128] = True
+    dense[256:, 128:256] = True
+    dense[256:, 256:] = ((words[0].unsqueeze(-1) >> torch.arange(32, device="cuda")) & 1).flatten(1).bool()
+    check_attention(out, lse, q, k, v, mask=dense, name="invalid entries")

@@ -218,6 +218,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_block_spar
 
   at::Tensor cnt = kv_num_blocks.contiguous(), idx = kv_indices.contiguous(), part = kv_partial.contiguous(),
              bits = partial_masks.contiguous();
+  // The Hopper kernel reads a row of mask words as 16-byte loads (load_tile_mask).
+  if (reinterpret_cast<uintptr_t>(bits.data_ptr()) % 16 != 0) bits = bits.clone();
   params.kv_num_blocks = cnt.data_ptr<int32_t>();
   params.kv_indices = idx.data_ptr<int32_t>();
   params.kv_partial = part.data_ptr<int32_t>();

@@ -214,6 +214,23 @@ struct BlockSparseTiles {
     return pid >= 0 || int64_t(kb * sub + sub_tile(it) + 1) * kBlockN > lk;
   }
 
+  // What visible_bits needs, split so that a kernel can read it ahead of its scores (the Hopper
+  // core): the list entry of tile it (key block, partial mask id; two loads), then from it the
+  // columns of the tile that exist (0 for an invalid entry) and the first mask word of row `row`
+  // of the tile, or nullptr when the block has no element mask.
+  SA_HD void entry_of(int it, int& kb, int& pid) const {
+    const int e = entry(it);
+    kb = idx[e];
+    pid = part[e];
+  }
+  SA_HD const int32_t* row_mask_words(int it, int kb, int pid, int row, int& cols) const {
+    cols = 0;
+    if (!entry_ok(kb, pid)) return nullptr;
+    cols = int(min64(kBlockN, lk - (int64_t(kb) * sub + sub_tile(it)) * kBlockN));
+    if (pid < 0) return nullptr;
+    return masks + (int64_t(pid) * q_block + (row - row0)) * words + sub_tile(it) * kBlockN / 32;
+  }
+
   SA_HD uint64_t visible_bits(int it, int row, int col0 = 0) const {
     static_assert(kBlockN == 32 || kBlockN % 64 == 0, "one or two mask words per call");
     constexpr int kWidth = kBlockN < 64 ? kBlockN : 64;  // columns covered by one call

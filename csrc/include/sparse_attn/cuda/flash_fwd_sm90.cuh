@@ -45,7 +45,7 @@ namespace sparse_attn::cuda {
 // Kernel parameters: the family's params plus the TMA descriptors of Q, K, V and O.
 struct FlashSm90Params {
   AttnFwdParams p;
-  CUtensorMap tma_q, tma_k, tma_v, tma_o;  // tma_o: boxes of 64 rows (one consumer's)
+  CUtensorMap tma_q, tma_k, tma_v, tma_o;  // tma_o: boxes of kStoreRows rows
   int pingpong;
   int lazy_rescale;       // see the kernel; SPARSE_ATTN_SM90_LAZY_RESCALE=0 turns it off (A/B timing)
   int merge_boundary;     // see the kernel and the launcher
@@ -89,6 +89,10 @@ struct FlashSm90Traits {
   // Registers per thread after reallocation: the producer keeps few (32: its tile loop does not
   // spill), the consumers take the rest.
   static constexpr int kProducerRegs = 32, kConsumerRegs = kConsumers == 2 ? 232 : 160;
+  // Output rows per TMA store: each warp's 16 at head dim 64 (the epilogue then needs no
+  // warpgroup barriers: full attention 4k/8k +2.1-2.4 %), the warpgroup's 64 at 128 (per-warp
+  // stores measured 10 % slower there; docs/PERF_LOG.md).
+  static constexpr int kStoreRows = kHeadDim == 64 ? 16 : 64;
   // Block-sparse masks reach this kernel only with 128 x 128 blocks (flash_sm90_eligible; the
   // launcher checks it): one list entry per key tile.
   using Tiles = typename TilesOf<kVariant, kBlockM, kBlockN, true>::type;
@@ -252,13 +256,21 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   int out_bh = 0, out_m0 = -1;  // (batch, head) and first row of the pending output
 
   // Epilogue: O / l into this warpgroup's rows of the staging buffer (128-byte swizzled, the
-  // layout TMA reads), then one thread stores them with TMA (rows past Lq and columns past Dv
-  // are clipped); LSE directly. The staging rows are rewritten only after the previous store
-  // has read them (the storing thread waits for its bulk group, then the barrier).
+  // layout TMA reads), then one thread per kStoreRows rows (lane 0 of each warp, or thread 0 of
+  // the warpgroup) stores them with TMA (rows past Lq and columns past Dv are clipped); LSE
+  // directly. The staging rows are rewritten only after the previous store has read them (the
+  // storing thread waits for its bulk group, then the others wait for it).
+  constexpr bool kWarpStores = Tr::kStoreRows == 16;
+  const bool storer = kWarpStores ? lane == 0 : tid == 0;
+  const int store_row0 = kWarpStores ? wg * 64 + warp * 16 : wg * 64;  // row of the tile
+  auto sync_store_rows = [&]() {
+    if constexpr (kWarpStores) __syncwarp();
+    else named_barrier(1 + wg, 128);
+  };
   auto epilogue = [&]() {
     const int out_b = out_bh / p.h, out_h = out_bh % p.h;
-    if (tid == 0) bulk_wait_group<0, true>();
-    named_barrier(1 + wg, 128);
+    if (storer) bulk_wait_group<0, true>();
+    sync_store_rows();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float lse;
@@ -272,11 +284,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       if (t == 0 && out_m0 + r < p.lq) p.lse[(int64_t(out_b) * p.h + out_h) * p.lq + out_m0 + r] = lse;
     }
     fence_proxy_async();
-    named_barrier(1 + wg, 128);
-    if (tid == 0) {
+    sync_store_rows();
+    if (storer) {
 #pragma unroll
       for (int c = 0; c < Tr::kColBlocks; ++c)
-        tma_store_4d(&P.tma_o, sO + c * Tr::kQColBytes + wg * 64 * 128, c * 64, out_m0 + wg * 64, out_h,
+        tma_store_4d(&P.tma_o, sO + c * Tr::kQColBytes + store_row0 * 128, c * 64, out_m0 + store_row0, out_h,
                      out_b);
       bulk_commit_group();
     }
@@ -374,6 +386,28 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       });
       wgmma_commit();
     };
+    // Whether a key tile needs masking, and its mask. A block-sparse mask is global memory: tile
+    // it's list entry is read after the turn that issues the Q K^T of tile it - 1 (under that
+    // GEMM; the first tile's when the tile starts), its mask words after the turn that issues its
+    // own Q K^T, so that neither read waits after S (TileMask), and the bookkeeping stays out of
+    // the softmax between S and the next turn. The window variant's masks are arithmetic.
+    TileMask<kBlockN> tm;
+    auto mask_entry = [&](int it) {
+      if constexpr (Tr::kBlockSparse)
+        if (it < n_tiles) read_tile_entry(tm, tiles, it);
+    };
+    auto mask_load = [&](int it) {
+      if constexpr (Tr::kBlockSparse)
+        if (it < n_tiles) load_tile_mask(tm, tiles, it, row_base);
+    };
+    auto mask_needed = [&](int it) {
+      if constexpr (Tr::kBlockSparse) return tm.need;
+      else return tiles.tile_needs_mask(it);
+    };
+    auto apply_mask = [&](int it, bool need_mask) {
+      if constexpr (Tr::kBlockSparse) apply_tile_mask(sc, tm, t);
+      else mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
+    };
     // Q buffer qs may be refilled once every warp's last Q K^T of this tile is done.
     auto release_q = [&]() {
       __syncwarp();
@@ -381,10 +415,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     };
 
     if (n_tiles > 0) {
+      mask_entry(0);
       mbar_wait(bar_q_full + 8 * qs, (qn / Tr::kQStages) & 1);
       // The first tile's softmax, against a fresh running max (O is still zero: no rescale).
-      // Whether S needs masking is read before the wait, so that a block-sparse mask's global
-      // reads overlap the GEMM instead of following it. The two cases are separate branches, not
+      // Whether S needs masking, and a block-sparse mask's words, are read before the wait, so
+      // that global reads overlap the GEMM instead of following it. The two cases are separate branches, not
       // one with tests of pv_pending inside: ptxas follows each path through such tests on its
       // own, and on the path that pairs "P V issued" with "not waited for" it sees O's registers
       // written under an in-flight wgmma and serialises every wgmma of the kernel (C7515).
@@ -395,7 +430,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         fence_regs(s_flat);
         release(bar_k_empty, 0);
         if (n_tiles == 1) release_q();
-        mask_scores<kBlockN>(sc, tiles, 0, row_base, t, need_mask);
+        apply_mask(0, need_mask);
         softmax_fold_max(sc, fresh_max, m_new, p.scale_log2, max_stale);
       };
       if (pv_pending) {
@@ -403,7 +438,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         issue_qk(0);
         issue_pv(-1);  // the previous tile's last, behind this Q K^T
         turn_end();
-        const bool need_mask = tiles.tile_needs_mask(0);
+        mask_load(0);
+        mask_entry(1);
+        const bool need_mask = mask_needed(0);
         wgmma_wait<1>();
         first_tile_max(need_mask);
         wgmma_wait<0>();
@@ -414,7 +451,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         turn_begin();
         issue_qk(0);
         turn_end();
-        const bool need_mask = tiles.tile_needs_mask(0);
+        mask_load(0);
+        mask_entry(1);
+        const bool need_mask = mask_needed(0);
         flush_and_start();  // the previous tile's output, under this Q K^T
         wgmma_wait<0>();
         first_tile_max(need_mask);
@@ -433,13 +472,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       issue_qk(it);
       issue_pv(it - 1);
       turn_end();
-      const bool need_mask = tiles.tile_needs_mask(it);
+      mask_load(it);
+      mask_entry(it + 1);
+      const bool need_mask = mask_needed(it);
       wgmma_wait<1>();
       fence_regs(s_flat);
       release(bar_k_empty, it);
       if (it == n_tiles - 1) release_q();
       float m_new[1][2], alpha[1][2];
-      mask_scores<kBlockN>(sc, tiles, it, row_base, t, need_mask);
+      apply_mask(it, need_mask);
       softmax_fold_max(sc, row_max, m_new, p.scale_log2, max_stale);
       wgmma_wait<0>();  // P V of it - 1, which reads pa
       pv_retired(it - 1);
@@ -457,7 +498,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   }
   if (pv_pending) retire_pending_alone();
   if (out_m0 >= 0) epilogue();
-  if (tid == 0) bulk_wait_group<0, false>();       // the staging buffer lives until the stores finish
+  if (storer) bulk_wait_group<0, false>();         // the staging buffer lives until the stores finish
   if (pingpong && wg == 0) named_barrier(5, 256);  // warpgroup 1's last arrival
 #else
   __trap();  // not built for sm_90a: the launcher never gets here
@@ -508,7 +549,7 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_v, params.v, elem, params.dv, params.lk, params.h_kv, params.b,
                               params.v_row_stride, params.v_head_stride, params.v_batch_stride, Tr::kBlockN));
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_o, params.o, elem, params.dv, params.lq, params.h, params.b,
-                              params.o_row_stride, params.o_head_stride, params.o_batch_stride, 64));
+                              params.o_row_stride, params.o_head_stride, params.o_batch_stride, Tr::kStoreRows));
   auto kernel = cuda::flash_fwd_sm90_kernel<Tr>;
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<grid, Tr::kNThreads, Tr::kSmemBytes, stream>>>(P);
