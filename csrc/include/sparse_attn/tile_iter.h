@@ -234,15 +234,12 @@ struct BlockSparseTiles {
   SA_HD uint64_t visible_bits(int it, int row, int col0 = 0) const {
     static_assert(kBlockN == 32 || kBlockN % 64 == 0, "one or two mask words per call");
     constexpr int kWidth = kBlockN < 64 ? kBlockN : 64;  // columns covered by one call
-    const int e = entry(it);
-    if (!block_ok(e)) return 0;
-    const int64_t n0 = int64_t(n_block(it)) * kBlockN + col0;
-    const uint64_t in_range = bit_range(0, min64(kWidth - 1, lk - 1 - n0));
-    const int pid = part[e];
-    if (pid < 0) return in_range;
-    // Words of this row covering columns col0.. of the tile (it % sub selects the tile within the block).
-    const int32_t* w =
-        masks + (int64_t(pid) * q_block + (row - row0)) * words + (sub_tile(it) * kBlockN + col0) / 32;
+    int kb, pid, cols;
+    entry_of(it, kb, pid);
+    const int32_t* w = row_mask_words(it, kb, pid, row, cols);
+    const uint64_t in_range = bit_range(0, min64(kWidth - 1, int64_t(cols) - 1 - col0));
+    if (w == nullptr) return in_range;  // no element mask (an invalid entry has no columns)
+    w += col0 / 32;
     uint64_t bits = uint32_t(w[0]);
     if constexpr (kWidth == 64) bits |= uint64_t(uint32_t(w[1])) << 32;
     return bits & in_range;

@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     TileMask<kBlockN> tm;
     auto mask_entry = [&](int it) {
       if constexpr (Tr::kBlockSparse)
-        if (it < n_tiles) read_tile_entry(tm, tiles, it);
+        if (it < n_tiles) tiles.entry_of(it, tm.kb, tm.pid);
     };
     auto mask_load = [&](int it) {
       if constexpr (Tr::kBlockSparse)
@@ -419,10 +419,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       mbar_wait(bar_q_full + 8 * qs, (qn / Tr::kQStages) & 1);
       // The first tile's softmax, against a fresh running max (O is still zero: no rescale).
       // Whether S needs masking, and a block-sparse mask's words, are read before the wait, so
-      // that global reads overlap the GEMM instead of following it. The two cases are separate branches, not
-      // one with tests of pv_pending inside: ptxas follows each path through such tests on its
-      // own, and on the path that pairs "P V issued" with "not waited for" it sees O's registers
-      // written under an in-flight wgmma and serialises every wgmma of the kernel (C7515).
+      // that global reads overlap the GEMM instead of following it. The two cases are separate
+      // branches, not one with tests of pv_pending inside: ptxas follows each path through such
+      // tests on its own, and on the path that pairs "P V issued" with "not waited for" it sees
+      // O's registers written under an in-flight wgmma and serialises every wgmma of the kernel
+      // (C7515).
       float m_new[1][2], alpha[1][2];
       const float fresh_max[1][2] = {{-INFINITY, -INFINITY}};
       // Once S is ready: free its K buffer (and Q after a single key tile), mask, row maxima.

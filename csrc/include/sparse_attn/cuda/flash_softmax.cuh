@@ -46,21 +46,16 @@ __device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], con
 // A tile's element mask read ahead of its scores (the Hopper core with a block-sparse mask, whose
 // mask words come from global memory: read after the scores, their latency sat on every partial
 // block's critical path). Two steps, each issuing loads that the next one consumes much later:
-// read_tile_entry (the list entry), then load_tile_mask (the words of a thread's two rows,
-// row_base and row_base + 8); apply_tile_mask once S is ready.
+// the iterator's entry_of (the list entry, into kb and pid), then load_tile_mask (the words of a
+// thread's two rows, row_base and row_base + 8); apply_tile_mask once S is ready.
 template <int kBlockN>
 struct TileMask {
   static constexpr int kWords = kBlockN / 32;
-  int kb, pid;            // the list entry read by read_tile_entry
+  int kb, pid;            // the list entry (tiles.entry_of)
   uint32_t w[2][kWords];  // the rows' mask words (all ones without an element mask)
   int cols;               // columns of the tile that exist (0: an invalid entry, nothing visible)
   bool need;              // tiles.tile_needs_mask(it): an element mask, the keys' ragged tail, or invalid
 };
-
-template <int kBlockN, typename Tiles>
-__device__ __forceinline__ void read_tile_entry(TileMask<kBlockN>& m, const Tiles& tiles, int it) {
-  tiles.entry_of(it, m.kb, m.pid);
-}
 
 template <int kBlockN, typename Tiles>
 __device__ __forceinline__ void load_tile_mask(TileMask<kBlockN>& m, const Tiles& tiles, int it, int row_base) {
