@@ -127,6 +127,9 @@ class BlockSparseMask:
         # The attention kernel's CTA schedule for this mask (see ops._schedule), made on first use
         # (or by the pattern builders, from their host plan) and kept: the mask is not modified.
         self._order: torch.Tensor | None = None
+        # (window, dilation) when the mask is exactly patterns.dilated's band: block_sparse_attention
+        # then runs it as `dilation` dense sliding windows over the residue classes (ops._run_dilated).
+        self._dilated: tuple[int, int] | None = None
         _check_block_size(self.block_size)
         self._check_layout()
         if validate:
@@ -167,6 +170,7 @@ class BlockSparseMask:
             validate=False,
         )
         moved._order = None if self._order is None else self._order.to(device)
+        moved._dilated = self._dilated
         return moved
 
     def _tensors(self):

@@ -215,8 +215,29 @@ def block_sparse_attention(
     torch.Size([1, 2, 512, 64])
     """
     m = _as_block_sparse_mask(mask, query, key)
-    out, lse = _run_block_sparse(query, key, value, m, _check_scale(scale))
+    if m._dilated is not None and m._dilated[1] > 1 and value.dim() == 4 and value.shape[-2] == key.shape[-2]:
+        out, lse = _run_dilated(query, key, value, *m._dilated, _check_scale(scale))
+    else:
+        out, lse = _run_block_sparse(query, key, value, m, _check_scale(scale))
     return _result(out, lse, None, return_lse)
+
+
+def _run_dilated(query, key, value, window: int, dilation: int, scale):
+    """patterns.dilated's mask (|i - j| < window, i = j mod dilation; Lq = Lk) as one sliding window
+    per residue class c: queries and keys c, c + dilation, ... (strided views, read in place) with
+    |a - b| <= ceil(window / dilation) - 1 between their positions a, b in the class. Every pair
+    computed is visible, where the block mask's partial blocks compute `dilation` times as many."""
+    half = -(-window // dilation) - 1
+    b, h, lq = query.shape[:3]
+    out = torch.empty(b, lq, h, value.shape[-1], dtype=query.dtype, device=query.device).transpose(1, 2)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
+    for c in range(min(dilation, lq)):
+        o_c, lse_c = _ops.flash_fwd.default(
+            query[:, :, c::dilation], key[:, :, c::dilation], value[:, :, c::dilation], scale, False, half, half
+        )
+        out[:, :, c::dilation] = o_c
+        lse[:, :, c::dilation] = lse_c
+    return out, lse
 
 
 def _schedule(m: BlockSparseMask) -> torch.Tensor:

@@ -730,16 +730,24 @@ def sliding_window(
 def dilated(
     seq_len: int, window: int, dilation: int, *, block_size: int | tuple[int, int] = 128, device=None
 ) -> BlockSparseMask:
-    """1-D dilated window (Longformer): ``|i - j| < window`` and ``|i - j| % dilation == 0``."""
+    """1-D dilated window (Longformer): ``|i - j| < window`` and ``|i - j| % dilation == 0``.
+
+    ``block_sparse_attention`` runs this mask (as built here, not combined with others) as one
+    dense sliding window per residue class ``i mod dilation``, computing no masked pairs."""
     seq_len = _positive("seq_len", seq_len, 0)
     window = _positive("window", window)
     dilation = _positive("dilation", dilation)
     bs = _square(block_size)
     if bs is None:
-        return _band(
+        mask = _band(
             (seq_len, seq_len), block_size, device, lo=-(window - 1), hi=window - 1, pred=lambda d: d % dilation == 0
         )
-    return _band_mask(seq_len, seq_len, bs, _device(device), ("dilated", window, dilation))
+    else:
+        mask = _band_mask(seq_len, seq_len, bs, _device(device), ("dilated", window, dilation))
+    # Query i sees only keys j = i mod dilation: block_sparse_attention runs the mask as one dense
+    # window per residue class, computing no masked pairs (the blocks of the band are all partial).
+    mask._dilated = (window, dilation)
+    return mask
 
 
 def strided(

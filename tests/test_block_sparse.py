@@ -398,3 +398,39 @@ def test_random_mask_fuzz(seed, device):
 @pytest.mark.parametrize("seed", range(1000, 1060))
 def test_random_mask_fuzz_longer(seed, device):
     _run_fuzz(seed, device, max_len=385)
+
+
+def _spy_dilated(monkeypatch):
+    """Calls of ops._run_dilated (the residue-window route) made through block_sparse_attention."""
+    from sparse_attn import ops
+
+    calls, real = [], ops._run_dilated
+    monkeypatch.setattr(ops, "_run_dilated", lambda *args: calls.append(args[3:5]) or real(*args))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "length,window,dilation,hkv",
+    [(1000, 300, 3, 2), (257, 64, 2, 4), (512, 5, 4, 4), (130, 1000, 7, 1), (3, 2, 2, 4)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dilated_pattern_runs_as_residue_windows(monkeypatch, device, length, window, dilation, hkv, dtype):
+    # patterns.dilated's mask runs as one sliding window per residue class (ops._run_dilated), with
+    # the attention of the fp64 reference on the expanded mask: lengths not divisible by the
+    # dilation, windows narrower than it or longer than the sequence, GQA, LSE.
+    calls = _spy_dilated(monkeypatch)
+    q, k, v = make_qkv(2, 4, hkv, length, length, 64, device=device, dtype=dtype, seed=length + dilation)
+    mask = patterns.dilated(length, window, dilation, device=device)
+    out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
+    assert calls == [(window, dilation)]
+    check_attention(out, lse, q, k, v, mask=mask.to_dense(), name=f"dilated {length} {window} {dilation}")
+
+
+def test_combined_dilated_mask_takes_the_generic_path(monkeypatch, device):
+    # A dilated band joined with global tokens is no longer one dilation: the generic kernel runs it.
+    calls = _spy_dilated(monkeypatch)
+    mask = patterns.dilated(512, 100, 2, device=device) | patterns.global_tokens(512, [0, 300], device=device)
+    q, k, v = make_qkv(1, 2, 2, 512, 512, 64, device=device, seed=4)
+    out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
+    assert calls == []
+    check_attention(out, lse, q, k, v, mask=mask.to_dense(), name="dilated | global")

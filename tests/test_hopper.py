@@ -308,7 +308,7 @@ def test_misaligned_partial_mask_words_give_the_same_output(device):
     # boundary (a view into a larger tensor) are copied before the launch, never read misaligned.
     L = 1000
     q, k, v = make_qkv(1, 2, 2, L, L, 128, device=device, seed=5)
-    mask = patterns.dilated(L, 300, 3, device=device)
+    mask = patterns.sliding_window(L, 300, device=device)
     assert mask.partial_masks.shape[0] > 0
     words = torch.zeros(mask.partial_masks.numel() + 1, dtype=torch.int32, device=device)[1:]
     words = words.view_as(mask.partial_masks).copy_(mask.partial_masks)
