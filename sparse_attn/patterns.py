@@ -744,7 +744,7 @@ def dilated(
         )
     else:
         mask = _band_mask(seq_len, seq_len, bs, _device(device), ("dilated", window, dilation))
-    # Query i sees only keys j = i mod dilation: block_sparse_attention runs the mask as one dense
+    # Query i sees only keys j with j = i (mod dilation): block_sparse_attention runs the mask as one dense
     # window per residue class, computing no masked pairs (the blocks of the band are all partial).
     mask._dilated = (window, dilation)
     return mask
