@@ -130,6 +130,9 @@ class BlockSparseMask:
         # (window, dilation) when the mask is exactly patterns.dilated's band: block_sparse_attention
         # then runs it as `dilation` dense sliding windows over the residue classes (ops._run_dilated).
         self._dilated: tuple[int, int] | None = None
+        # (segment, dilation) when the mask is exactly patterns.dilated_2d's: dense attention over
+        # each segment's attending positions (ops._run_dilated_2d).
+        self._dilated_2d: tuple[int, int] | None = None
         _check_block_size(self.block_size)
         self._check_layout()
         if validate:
@@ -171,6 +174,7 @@ class BlockSparseMask:
         )
         moved._order = None if self._order is None else self._order.to(device)
         moved._dilated = self._dilated
+        moved._dilated_2d = self._dilated_2d
         return moved
 
     def _tensors(self):

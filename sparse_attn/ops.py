@@ -215,8 +215,13 @@ def block_sparse_attention(
     torch.Size([1, 2, 512, 64])
     """
     m = _as_block_sparse_mask(mask, query, key)
-    if m._dilated is not None and m._dilated[1] > 1 and value.dim() == 4 and value.shape[-2] == key.shape[-2]:
+    # Masks that are exactly a dilated pattern run as dense attention over the positions they
+    # connect (no masked pairs); value's shape is left for the kernels to check otherwise.
+    routable = value.dim() == 4 and value.shape[-2] == key.shape[-2]
+    if routable and m._dilated is not None and m._dilated[1] > 1:
         out, lse = _run_dilated(query, key, value, *m._dilated, _check_scale(scale))
+    elif routable and m._dilated_2d is not None and m._dilated_2d[1] > 1:
+        out, lse = _run_dilated_2d(query, key, value, *m._dilated_2d, _check_scale(scale))
     else:
         out, lse = _run_block_sparse(query, key, value, m, _check_scale(scale))
     return _result(out, lse, None, return_lse)
@@ -237,6 +242,35 @@ def _run_dilated(query, key, value, window: int, dilation: int, scale):
         )
         out[:, :, c::dilation] = o_c
         lse[:, :, c::dilation] = lse_c
+    return out, lse
+
+
+def _run_dilated_2d(query, key, value, segment: int, dilation: int, scale):
+    """patterns.dilated_2d's mask (i, j in one segment, both at positions that are multiples of
+    dilation within it; Lq = Lk) as dense attention per segment over those positions. The whole
+    segments are gathered into one batch (segments x batch, a copy of 1 / dilation of Q, K and V:
+    one launch that fills the GPU), the ragged last segment runs on strided views; rows at other
+    positions see no key (0, LSE -inf)."""
+    b, h, lq = query.shape[:3]
+    out = torch.zeros(b, lq, h, value.shape[-1], dtype=query.dtype, device=query.device).transpose(1, 2)
+    lse = torch.full((b, h, lq), -math.inf, dtype=torch.float32, device=query.device)
+    whole = lq // segment
+
+    def positions(x):  # (B, H, whole * segment, D) -> (B, H, whole, ceil(segment / dilation), D)
+        return x[:, :, : whole * segment].unflatten(2, (whole, segment))[:, :, :, ::dilation]
+
+    if whole > 0:
+        q, k, v = (positions(x).transpose(1, 2).flatten(0, 1) for x in (query, key, value))
+        o, l_ = _ops.flash_fwd.default(q, k, v, scale, False, -1, -1)
+        positions(out).copy_(o.unflatten(0, (b, whole)).transpose(1, 2))
+        lse[:, :, : whole * segment].unflatten(2, (whole, segment))[:, :, :, ::dilation] = l_.unflatten(
+            0, (b, whole)
+        ).transpose(1, 2)
+    if whole * segment < lq:
+        tail = slice(whole * segment, lq, dilation)
+        o, l_ = _ops.flash_fwd.default(query[:, :, tail], key[:, :, tail], value[:, :, tail], scale, False, -1, -1)
+        out[:, :, tail] = o
+        lse[:, :, tail] = l_
     return out, lse
 
 

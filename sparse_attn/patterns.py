@@ -774,7 +774,10 @@ def dilated_2d(
     seq_len: int, segment: int, dilation: int, *, block_size: int | tuple[int, int] = 128, device=None
 ) -> BlockSparseMask:
     """LongNet-style dilated attention: i and j in the same segment of length ``segment``, each at
-    a position within it that is a multiple of ``dilation``. Rows at other positions see no key."""
+    a position within it that is a multiple of ``dilation``. Rows at other positions see no key.
+
+    ``block_sparse_attention`` runs this mask (as built here, not combined with others) as dense
+    attention over each segment's attending positions, computing no masked pairs."""
     seq_len = _positive("seq_len", seq_len, 0)
     segment = _positive("segment", segment)
     dilation = _positive("dilation", dilation)
@@ -782,7 +785,9 @@ def dilated_2d(
     if bs is not None:
         if seq_len == 0:
             return _empty(0, 0, bs, _device(device))
-        return _realise(_dilated_2d_plan(seq_len, segment, dilation, bs), _device(device))
+        mask = _realise(_dilated_2d_plan(seq_len, segment, dilation, bs), _device(device))
+        mask._dilated_2d = (segment, dilation)
+        return mask
     bq, bk = _pair(block_size)
 
     def cand(i0, j0):
@@ -795,7 +800,9 @@ def dilated_2d(
     def allowed(i, j):
         return (i // segment == j // segment) & ((i % segment) % dilation == 0) & ((j % segment) % dilation == 0)
 
-    return _build((seq_len, seq_len), block_size, device, cand, key, allowed)
+    mask = _build((seq_len, seq_len), block_size, device, cand, key, allowed)
+    mask._dilated_2d = (segment, dilation)
+    return mask
 
 
 @functools.lru_cache(maxsize=_PLANS)

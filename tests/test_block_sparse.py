@@ -400,12 +400,13 @@ def test_random_mask_fuzz_longer(seed, device):
     _run_fuzz(seed, device, max_len=385)
 
 
-def _spy_dilated(monkeypatch):
-    """Calls of ops._run_dilated (the residue-window route) made through block_sparse_attention."""
+def _spy_dilated(monkeypatch, route="_run_dilated"):
+    """Calls of a dilated route of block_sparse_attention (ops._run_dilated: one window per residue
+    class; ops._run_dilated_2d: dense attention per segment), as their (window or segment, dilation)."""
     from sparse_attn import ops
 
-    calls, real = [], ops._run_dilated
-    monkeypatch.setattr(ops, "_run_dilated", lambda *args: calls.append(args[3:5]) or real(*args))
+    calls, real = [], getattr(ops, route)
+    monkeypatch.setattr(ops, route, lambda *args: calls.append(args[3:5]) or real(*args))
     return calls
 
 
@@ -434,3 +435,20 @@ def test_combined_dilated_mask_takes_the_generic_path(monkeypatch, device):
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
     assert calls == []
     check_attention(out, lse, q, k, v, mask=mask.to_dense(), name="dilated | global")
+
+
+@pytest.mark.parametrize(
+    "length,segment,dilation,hkv",
+    [(1024, 256, 2, 2), (1000, 300, 3, 4), (700, 1000, 4, 1), (257, 64, 5, 4), (3, 2, 2, 4)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dilated_2d_pattern_runs_as_dense_segments(monkeypatch, device, length, segment, dilation, hkv, dtype):
+    # patterns.dilated_2d's mask runs as dense attention over each segment's attending positions
+    # (ops._run_dilated_2d): whole segments batched, a ragged last one, a segment longer than the
+    # sequence, segments not divisible by the dilation, GQA; rows at other positions see no key.
+    calls = _spy_dilated(monkeypatch, "_run_dilated_2d")
+    q, k, v = make_qkv(2, 4, hkv, length, length, 64, device=device, dtype=dtype, seed=length + segment)
+    mask = patterns.dilated_2d(length, segment, dilation, device=device)
+    out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
+    assert calls == [(segment, dilation)]
+    check_attention(out, lse, q, k, v, mask=mask.to_dense(), name=f"dilated_2d {length} {segment} {dilation}")

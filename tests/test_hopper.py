@@ -6,7 +6,7 @@ SPARSE_ATTN_SM90_PINGPONG forces the consumer ping-pong on or off."""
 import pytest
 import torch
 from conftest import HAS_CUDA
-from utils import check_attention, make_qkv
+from utils import block_kernel_mask, check_attention, make_qkv
 
 import sparse_attn
 from sparse_attn import patterns
@@ -75,9 +75,9 @@ def test_block_sparse_hopper(name, d):
         "random": lambda: patterns.random_blocks(L, 0.3, seed=3, heads=4, device="cuda"),
         "longformer": lambda: patterns.longformer(L, 200, [0, 7, 1500], device="cuda"),
         "bigbird": lambda: patterns.bigbird(L, 128, 64, 2, seed=1, device="cuda"),
-        "dilated": lambda: patterns.dilated(L, 500, 3, device="cuda"),
+        "dilated": lambda: block_kernel_mask(patterns.dilated(L, 500, 3, device="cuda")),
         "window": lambda: patterns.sliding_window(L, 300, causal=True, device="cuda"),
-        "empty_rows": lambda: patterns.dilated_2d(L, 512, 3, device="cuda"),
+        "empty_rows": lambda: block_kernel_mask(patterns.dilated_2d(L, 512, 3, device="cuda")),
     }[name]()
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
     check_attention(out, lse, q, k, v, mask=mask.to_dense(), name=f"hopper block-sparse {name}")

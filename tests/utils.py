@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_attn import reference
+from sparse_attn import BlockSparseMask, reference
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -80,3 +80,10 @@ def check_attention(out, lse, q, k, v, *, mask=None, causal=False, scale=None, n
         assert err.numel() == 0 or err.max().item() <= tol * max(1.0, gold_lse[both].abs().max().item()), (
             f"{name}: lse error {err.max().item():.3e}")
     return gold
+
+
+def block_kernel_mask(mask: BlockSparseMask) -> BlockSparseMask:
+    """The same block mask as a plain one: block_sparse_attention runs it through the block-sparse
+    kernel even where the pattern builder's tag would route it elsewhere (patterns.dilated,
+    patterns.dilated_2d), so tests of the kernel keep their all-partial and empty-row masks."""
+    return BlockSparseMask(*mask._tensors(), seq_lengths=mask.seq_lengths, block_size=mask.block_size)
