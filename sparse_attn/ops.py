@@ -256,16 +256,14 @@ def _run_dilated_2d(query, key, value, segment: int, dilation: int, scale):
     lse = torch.full((b, h, lq), -math.inf, dtype=torch.float32, device=query.device)
     whole = lq // segment
 
-    def positions(x):  # (B, H, whole * segment, D) -> (B, H, whole, ceil(segment / dilation), D)
+    def positions(x):  # (B, H, L, ...) -> (B, H, whole, ceil(segment / dilation), ...), a view
         return x[:, :, : whole * segment].unflatten(2, (whole, segment))[:, :, :, ::dilation]
 
     if whole > 0:
         q, k, v = (positions(x).transpose(1, 2).flatten(0, 1) for x in (query, key, value))
         o, l_ = _ops.flash_fwd.default(q, k, v, scale, False, -1, -1)
         positions(out).copy_(o.unflatten(0, (b, whole)).transpose(1, 2))
-        lse[:, :, : whole * segment].unflatten(2, (whole, segment))[:, :, :, ::dilation] = l_.unflatten(
-            0, (b, whole)
-        ).transpose(1, 2)
+        positions(lse).copy_(l_.unflatten(0, (b, whole)).transpose(1, 2))
     if whole * segment < lq:
         tail = slice(whole * segment, lq, dilation)
         o, l_ = _ops.flash_fwd.default(query[:, :, tail], key[:, :, tail], value[:, :, tail], scale, False, -1, -1)
