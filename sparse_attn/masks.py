@@ -127,12 +127,10 @@ class BlockSparseMask:
         # The attention kernel's CTA schedule for this mask (see ops._schedule), made on first use
         # (or by the pattern builders, from their host plan) and kept: the mask is not modified.
         self._order: torch.Tensor | None = None
-        # (window, dilation) when the mask is exactly patterns.dilated's band: block_sparse_attention
-        # then runs it as `dilation` dense sliding windows over the residue classes (ops._run_dilated).
-        self._dilated: tuple[int, int] | None = None
-        # (segment, dilation) when the mask is exactly patterns.dilated_2d's: dense attention over
-        # each segment's attending positions (ops._run_dilated_2d).
-        self._dilated_2d: tuple[int, int] | None = None
+        # ("dilated", window, dilation) or ("dilated_2d", segment, dilation) when the mask is exactly
+        # that pattern as patterns built it: block_sparse_attention then runs it as dense attention
+        # over the positions it connects (ops._run_dilated, ops._run_dilated_2d).
+        self._route: tuple[str, int, int] | None = None
         _check_block_size(self.block_size)
         self._check_layout()
         if validate:
@@ -173,8 +171,7 @@ class BlockSparseMask:
             validate=False,
         )
         moved._order = None if self._order is None else self._order.to(device)
-        moved._dilated = self._dilated
-        moved._dilated_2d = self._dilated_2d
+        moved._route = self._route
         return moved
 
     def _tensors(self):

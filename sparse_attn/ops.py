@@ -217,11 +217,10 @@ def block_sparse_attention(
     m = _as_block_sparse_mask(mask, query, key)
     # Masks that are exactly a dilated pattern run as dense attention over the positions they
     # connect (no masked pairs); value's shape is left for the kernels to check otherwise.
-    routable = value.dim() == 4 and value.shape[-2] == key.shape[-2]
-    if routable and m._dilated is not None and m._dilated[1] > 1:
-        out, lse = _run_dilated(query, key, value, *m._dilated, _check_scale(scale))
-    elif routable and m._dilated_2d is not None and m._dilated_2d[1] > 1:
-        out, lse = _run_dilated_2d(query, key, value, *m._dilated_2d, _check_scale(scale))
+    route = m._route
+    if route is not None and route[2] > 1 and value.dim() == 4 and value.shape[-2] == key.shape[-2]:
+        run = _run_dilated if route[0] == "dilated" else _run_dilated_2d
+        out, lse = run(query, key, value, route[1], route[2], _check_scale(scale))
     else:
         out, lse = _run_block_sparse(query, key, value, m, _check_scale(scale))
     return _result(out, lse, None, return_lse)

@@ -746,7 +746,7 @@ def dilated(
         mask = _band_mask(seq_len, seq_len, bs, _device(device), ("dilated", window, dilation))
     # Query i sees only keys j with j = i (mod dilation): block_sparse_attention runs the mask as one dense
     # window per residue class, computing no masked pairs (the blocks of the band are all partial).
-    mask._dilated = (window, dilation)
+    mask._route = ("dilated", window, dilation)
     return mask
 
 
@@ -786,7 +786,7 @@ def dilated_2d(
         if seq_len == 0:
             return _empty(0, 0, bs, _device(device))
         mask = _realise(_dilated_2d_plan(seq_len, segment, dilation, bs), _device(device))
-        mask._dilated_2d = (segment, dilation)
+        mask._route = ("dilated_2d", segment, dilation)
         return mask
     bq, bk = _pair(block_size)
 
@@ -801,7 +801,7 @@ def dilated_2d(
         return (i // segment == j // segment) & ((i % segment) % dilation == 0) & ((j % segment) % dilation == 0)
 
     mask = _build((seq_len, seq_len), block_size, device, cand, key, allowed)
-    mask._dilated_2d = (segment, dilation)
+    mask._route = ("dilated_2d", segment, dilation)
     return mask
 
 
