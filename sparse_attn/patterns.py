@@ -744,8 +744,7 @@ def dilated(
         )
     else:
         mask = _band_mask(seq_len, seq_len, bs, _device(device), ("dilated", window, dilation))
-    # Query i sees only keys j with j = i (mod dilation): block_sparse_attention runs the mask as one dense
-    # window per residue class, computing no masked pairs (the blocks of the band are all partial).
+    # The route of the docstring (every block of the band is partial in the block kernel).
     mask._route = ("dilated", window, dilation)
     return mask
 
