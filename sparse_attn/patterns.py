@@ -696,6 +696,9 @@ def causal(
 ) -> BlockSparseMask:
     """Bottom-right aligned causal mask: query i sees key j iff j <= i + (Lk - Lq).
 
+    ``block_sparse_attention`` runs this mask (as built here, not combined with others) as
+    ``flash_attention(causal=True)``, the same attention without the mask's block lists.
+
     With equal query and key blocks the mask is built arithmetically, with no device
     synchronisation and no data-dependent shapes (so it can run under ``torch.compile`` or CUDA
     graph capture) when ``compact=False``; ``compact=True`` (default) also merges identical partial
@@ -710,8 +713,11 @@ def causal(
     lq, lk = _lengths(lq, lk)
     bs = _square(block_size)
     if bs is None:
-        return _band((lq, lk), block_size, device, lo=-(lk - lq), hi=_BIG)
-    return _band_mask(lq, lk, bs, _device(device), ("interval", -(lk - lq), None), compact=compact)
+        mask = _band((lq, lk), block_size, device, lo=-(lk - lq), hi=_BIG)
+    else:
+        mask = _band_mask(lq, lk, bs, _device(device), ("interval", -(lk - lq), None), compact=compact)
+    mask._route = ("causal", lq, lk)
+    return mask
 
 
 def sliding_window(

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
-from utils import check_attention, check_close, make_qkv
+from utils import block_kernel_mask, check_attention, check_close, make_qkv
 
 import sparse_attn
 from sparse_attn import BlockSparseMask, patterns, reference
@@ -74,7 +74,7 @@ def _make_mask(kind, lq, lk, block_size, b, h, seed):
         return BlockSparseMask.from_element_mask(dense, block_size=block_size)
     if kind == "longformer":
         return patterns.longformer(lq, 24, [0, 150], block_size=block_size)
-    return patterns.causal(lq, lk, block_size=block_size)
+    return block_kernel_mask(patterns.causal(lq, lk, block_size=block_size))  # not the causal route
 
 
 @pytest.mark.parametrize("case", list(_CASES), ids=list(_CASES))
@@ -243,7 +243,7 @@ def test_nan_in_a_visible_key_propagates():
 def test_nan_in_a_visible_query_propagates_to_its_row_only():
     q, k, v = make_qkv(1, 2, 2, 200, 200, 64, dtype=torch.float32, seed=14)
     q[0, 1, 150, 3] = float("nan")
-    mask = patterns.causal(200, 200)
+    mask = block_kernel_mask(patterns.causal(200, 200))
     out = sparse_attn.block_sparse_attention(q, k, v, mask)
     gold, _ = reference.block_sparse_attention(q, k, v, mask)
     nan_rows = torch.isnan(out).any(-1)
@@ -266,7 +266,7 @@ def test_all_ones_equals_flash_and_causal_equals_flash_causal(dtype, lengths, bl
             BlockSparseMask.from_block_matrix(ones, seq_lengths=(lq, lk), block_size=block_size),
             False,
         ),
-        ("patterns.causal", patterns.causal(lq, lk, block_size=block_size), True),
+        ("causal", block_kernel_mask(patterns.causal(lq, lk, block_size=block_size)), True),
     ):
         out, lse = sparse_attn.block_sparse_attention(q, k, v, mask.to(device), return_lse=True)
         ref_out, ref_lse = sparse_attn.flash_attention(q, k, v, causal=causal, return_lse=True)
@@ -435,6 +435,41 @@ def test_combined_dilated_mask_takes_the_generic_path(monkeypatch, device):
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
     assert calls == []
     check_attention(out, lse, q, k, v, mask=mask.to_dense(), name="dilated | global")
+
+
+def _spy_block_kernel(monkeypatch):
+    """Masks that block_sparse_attention hands to the block-sparse kernel (ops._run_block_sparse)."""
+    from sparse_attn import ops
+
+    calls, real = [], ops._run_block_sparse
+    monkeypatch.setattr(ops, "_run_block_sparse", lambda *args: calls.append(args[3]) or real(*args))
+    return calls
+
+
+@pytest.mark.parametrize("block_size", [64, 128, (64, 128)])
+@pytest.mark.parametrize("lengths,hkv", [((256, 256), 2), ((200, 300), 4), ((300, 200), 1), ((1, 257), 2)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_causal_pattern_runs_as_flash_causal(monkeypatch, device, dtype, lengths, hkv, block_size):
+    # patterns.causal's mask (also after .to()) runs as flash_attention(causal=True): no block
+    # kernel call, the same output and LSE bit for bit (Lq > Lk: rows that see no key get 0 and LSE
+    # -inf), for every block size the pattern takes, GQA and a custom scale; the fp64 reference on
+    # the expanded mask agrees.
+    calls = _spy_block_kernel(monkeypatch)
+    lq, lk = lengths
+    q, k, v = make_qkv(2, 4, hkv, lq, lk, 64, dtype=dtype, device=device, seed=lq + lk)
+    mask = patterns.causal(lq, lk, block_size=block_size).to(device)
+    for scale in (None, 0.3):
+        out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)
+        ref_out, ref_lse = sparse_attn.flash_attention(q, k, v, causal=True, scale=scale, return_lse=True)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+        check_attention(out, lse, q, k, v, mask=mask.to_dense(), scale=scale, name=f"causal route {lengths}")
+    assert calls == []
+    # The same blocks as a plain mask, or joined with global tokens, take the block kernel.
+    plain = block_kernel_mask(mask)
+    joined = mask | patterns.global_tokens(lq, [0], block_size=block_size, device=device) if lq == lk else plain
+    for other in (plain, joined):
+        sparse_attn.block_sparse_attention(q, k, v, other)
+        assert calls.pop() is other
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from utils import check_attention, check_close, make_qkv
+from utils import block_kernel_mask, check_attention, check_close, make_qkv
 
 import sparse_attn
 from sparse_attn import BlockSparseMask, patterns, reference
@@ -27,14 +27,15 @@ def _table(rows):
 
 
 def _call(op, q, k, v, *, lengths=(L, L), **kwargs):
-    """Call a public op; block_sparse gets a causal mask built for ``lengths``."""
+    """Call a public op; block_sparse gets a causal mask built for ``lengths``, as a plain mask
+    (the block-sparse kernel's checks; patterns.causal's own mask runs as flash_attention)."""
     if op == "dense":
         return sparse_attn.dense_attention(q, k, v, **kwargs)
     if op == "flash":
         return sparse_attn.flash_attention(q, k, v, **kwargs)
     if op == "block_sparse":
         return sparse_attn.block_sparse_attention(
-            q, k, v, patterns.causal(*lengths, device=q.device), **kwargs
+            q, k, v, block_kernel_mask(patterns.causal(*lengths, device=q.device)), **kwargs
         )
     if op == "topk":
         return sparse_attn.topk_attention(q, k, v, kwargs.pop("k", 8), **kwargs)
@@ -700,8 +701,16 @@ def test_mask_on_another_device_than_query(query_device, mask_device):
         sparse_attn.dense_attention(
             q, k, v, attn_mask=torch.ones(LB, LB, dtype=torch.bool, device=mask_device)
         )
-    with pytest.raises(RuntimeError, match=r"(kv_num_blocks|mask).*device"):
-        sparse_attn.block_sparse_attention(q, k, v, patterns.causal(LB, LB, device=mask_device))
+    # Every route of block_sparse_attention checks it: the block kernel, and the patterns that run
+    # as flash attention (causal, dilated, dilated 2-D).
+    for mask in (
+        block_kernel_mask(patterns.causal(LB, LB, device=mask_device)),
+        patterns.causal(LB, LB, device=mask_device),
+        patterns.dilated(LB, 40, 2, device=mask_device),
+        patterns.dilated_2d(LB, 64, 2, device=mask_device),
+    ):
+        with pytest.raises(RuntimeError, match=r"mask.*device"):
+            sparse_attn.block_sparse_attention(q, k, v, mask)
     iq, ik, iw = _indexer_inputs(mask_device, lq=LB, lk=LB)
     with pytest.raises(RuntimeError, match=r"indices.*device"):
         sparse_attn.topk_attention(q, k, v, 8, index_query=iq, index_key=ik, index_weights=iw)
