@@ -168,9 +168,10 @@ def main(argv=None) -> int:
                     fns["flex"] = partial(flex, *qkv, block_mask=fbm)
                 except (RuntimeError, torch.OutOfMemoryError) as e:  # noqa: PERF203
                     print(f"flex failed on {name}: {str(e).splitlines()[0][:100]}", flush=True)
-            if name.startswith("dilated"):
-                # The same mask from patterns.dilated / dilated_2d, which block_sparse_attention runs
-                # as dense attention over the positions it connects (no masked pairs computed).
+            if name.startswith(("dilated", "window")):
+                # The same mask from patterns.dilated / dilated_2d / sliding_window, which
+                # block_sparse_attention runs as dense attention over the positions it connects (no
+                # masked pairs computed) or as flash_attention with the window.
                 routed = partial(sparse_attn.block_sparse_attention, *qkv, build())
                 err = float((routed().float() - fns["ours"]().float()).abs().max())
                 assert err < 5e-2, f"{name}: the pattern route and the block kernel disagree by {err}"
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
                 p_prop = ratio_median(tp, [density * x + 0.020 / 1.15 for x in t["dense"]])
                 p_eff = ratio_median([x / dense_pairs for x in t["dense"]], [x / pairs for x in tp])
                 extra.append(
-                    f"- L={length}: {name} built by `patterns` (dense over the connected positions): "
+                    f"- L={length}: {name} built by `patterns` (its route): "
                     f"{statistics.median(tp):.3f} ms vs {ours_ms:.3f} ms on the Flex-built mask; "
                     f"vs flex {p_flex:.2f}, prop {p_prop:.2f}, eff/dense {p_eff:.2f} (pairs of the block mask)"
                 )

@@ -127,10 +127,10 @@ class BlockSparseMask:
         # The attention kernel's CTA schedule for this mask (see ops._schedule), made on first use
         # (or by the pattern builders, from their host plan) and kept: the mask is not modified.
         self._order: torch.Tensor | None = None
-        # ("causal", Lq, Lk), ("dilated", window, dilation) or ("dilated_2d", segment, dilation) when
-        # the mask is exactly that pattern as patterns built it: block_sparse_attention then runs it
-        # as causal flash attention, or as dense attention over the positions it connects
-        # (ops._run_dilated, ops._run_dilated_2d).
+        # ("causal", Lq, Lk), ("window", left, right), ("dilated", window, dilation) or
+        # ("dilated_2d", segment, dilation) when the mask is exactly that pattern as patterns built
+        # it: block_sparse_attention then runs it as flash attention (causal, or with that window)
+        # or as dense attention over the positions it connects (ops._run_route).
         self._route: tuple[str, int, int] | None = None
         _check_block_size(self.block_size)
         self._check_layout()

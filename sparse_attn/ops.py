@@ -218,21 +218,26 @@ def block_sparse_attention(
     if m.device != query.device:  # checked here for every route, not only by the block kernel
         raise RuntimeError(f"mask must be on the same device as query ({query.device}), got {m.device}")
     scale = _check_scale(scale)
-    # Masks that are exactly a pattern with a faster exact form run as that: causal as the flash
-    # kernel's causal attention (its own tile order; no mask lists), dilated ones as dense
-    # attention over the positions they connect (no masked pairs). value's shape is left for the
-    # kernels to check otherwise.
-    route = m._route
-    if route is not None and value.dim() == 4 and value.shape[-2] == key.shape[-2]:
-        if route[0] == "causal":
-            out, lse = _ops.flash_fwd.default(query, key, value, scale, True, -1, -1)
-            return _result(out, lse, None, return_lse)
-        if route[2] > 1:
-            run = _run_dilated if route[0] == "dilated" else _run_dilated_2d
-            out, lse = run(query, key, value, route[1], route[2], scale)
-            return _result(out, lse, None, return_lse)
-    out, lse = _run_block_sparse(query, key, value, m, scale)
+    # Masks that are exactly a pattern with a faster exact form run as that (masks.py, _route);
+    # value's shape is left for the kernels to check otherwise.
+    if m._route is not None and value.dim() == 4 and value.shape[-2] == key.shape[-2]:
+        out, lse = _run_route(query, key, value, m._route, scale)
+    else:
+        out, lse = _run_block_sparse(query, key, value, m, scale)
     return _result(out, lse, None, return_lse)
+
+
+def _run_route(query, key, value, route: tuple[str, int, int], scale):
+    """A pattern's mask as the attention it is: causal and windows as the flash kernel's (the
+    Hopper core at every block size the mask has, no block lists; causal also in its own tile
+    order), dilated ones as dense attention over the positions they connect (no masked pairs)."""
+    kind, a, b = route
+    if kind == "causal":
+        return _ops.flash_fwd.default(query, key, value, scale, True, -1, -1)
+    if kind == "window":
+        return _ops.flash_fwd.default(query, key, value, scale, False, a, b)
+    run = _run_dilated if kind == "dilated" else _run_dilated_2d
+    return run(query, key, value, a, b, scale)
 
 
 def _run_dilated(query, key, value, window: int, dilation: int, scale):

@@ -723,14 +723,20 @@ def causal(
 def sliding_window(
     seq_len: int, window: int, *, causal: bool = False, block_size: int | tuple[int, int] = 128, device=None
 ) -> BlockSparseMask:
-    """Band of half-width ``window``: ``|i - j| < window``; causal: ``0 <= i - j < window``."""
+    """Band of half-width ``window``: ``|i - j| < window``; causal: ``0 <= i - j < window``.
+
+    ``block_sparse_attention`` runs this mask (as built here, not combined with others) as
+    ``flash_attention`` with the same window, at every block size."""
     seq_len = _positive("seq_len", seq_len, 0)
     window = _positive("window", window)
     lo = 0 if causal else -(window - 1)
     bs = _square(block_size)
     if bs is None:
-        return _band((seq_len, seq_len), block_size, device, lo=lo, hi=window - 1)
-    return _band_mask(seq_len, seq_len, bs, _device(device), ("interval", lo, window - 1))
+        mask = _band((seq_len, seq_len), block_size, device, lo=lo, hi=window - 1)
+    else:
+        mask = _band_mask(seq_len, seq_len, bs, _device(device), ("interval", lo, window - 1))
+    mask._route = ("window", window - 1, -lo)  # i - j in [lo, window - 1]: flash's (left, right)
+    return mask
 
 
 def dilated(
@@ -750,8 +756,9 @@ def dilated(
         )
     else:
         mask = _band_mask(seq_len, seq_len, bs, _device(device), ("dilated", window, dilation))
-    # The route of the docstring (every block of the band is partial in the block kernel).
-    mask._route = ("dilated", window, dilation)
+    # The route of the docstring (every block of the band is partial in the block kernel); with
+    # dilation 1 the mask is a sliding window.
+    mask._route = ("dilated", window, dilation) if dilation > 1 else ("window", window - 1, window - 1)
     return mask
 
 
@@ -791,7 +798,8 @@ def dilated_2d(
         if seq_len == 0:
             return _empty(0, 0, bs, _device(device))
         mask = _realise(_dilated_2d_plan(seq_len, segment, dilation, bs), _device(device))
-        mask._route = ("dilated_2d", segment, dilation)
+        if dilation > 1:  # with 1 the segments are whole blocks (up to the ends) of the block kernel
+            mask._route = ("dilated_2d", segment, dilation)
         return mask
     bq, bk = _pair(block_size)
 
@@ -806,7 +814,8 @@ def dilated_2d(
         return (i // segment == j // segment) & ((i % segment) % dilation == 0) & ((j % segment) % dilation == 0)
 
     mask = _build((seq_len, seq_len), block_size, device, cand, key, allowed)
-    mask._route = ("dilated_2d", segment, dilation)
+    if dilation > 1:
+        mask._route = ("dilated_2d", segment, dilation)
     return mask
 
 

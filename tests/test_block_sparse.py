@@ -106,7 +106,7 @@ def test_matches_reference_and_sdpa(dtype, d, case, device):
 @pytest.mark.parametrize("scale", [0.0, -0.5, 0.3])
 def test_custom_scale(scale, device):
     q, k, v = make_qkv(1, 2, 2, 200, 200, 64, dtype=torch.bfloat16, device=device, seed=5)
-    mask = patterns.sliding_window(200, 40, block_size=64).to(device)
+    mask = block_kernel_mask(patterns.sliding_window(200, 40, block_size=64)).to(device)
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)
     check_attention(out, lse, q, k, v, mask=mask.to_dense(), scale=scale)
     sdpa_check(out, q, k, v, mask.to_dense(), scale=scale)
@@ -470,6 +470,33 @@ def test_causal_pattern_runs_as_flash_causal(monkeypatch, device, dtype, lengths
     for other in (plain, joined):
         sparse_attn.block_sparse_attention(q, k, v, other)
         assert calls.pop() is other
+
+
+@pytest.mark.parametrize("block_size", [64, 128, (128, 64)])
+@pytest.mark.parametrize(
+    "build,window",
+    [
+        (lambda n, bs: patterns.sliding_window(n, 40, block_size=bs), (39, 39)),
+        (lambda n, bs: patterns.sliding_window(n, 300, causal=True, block_size=bs), (299, 0)),
+        (lambda n, bs: patterns.sliding_window(n, 1000, block_size=bs), (999, 999)),
+        (lambda n, bs: patterns.dilated(n, 70, 1, block_size=bs), (69, 69)),
+    ],
+    ids=["w40", "causal_w300", "w1000", "dilation1"],
+)
+def test_window_patterns_run_as_flash_window(monkeypatch, device, build, window, block_size):
+    # patterns.sliding_window's mask (and dilated with dilation 1) runs as flash_attention with the
+    # same window at every block size: no block kernel call, bitwise flash's output and LSE, and the
+    # fp64 reference on the expanded mask agrees (GQA, a ragged length, a window past the ends).
+    calls = _spy_block_kernel(monkeypatch)
+    q, k, v = make_qkv(2, 4, 2, 333, 333, 64, device=device, seed=window[0])
+    mask = build(333, block_size).to(device)
+    out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
+    assert calls == []
+    ref_out, ref_lse = sparse_attn.flash_attention(q, k, v, window=window, return_lse=True)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    check_attention(out, lse, q, k, v, mask=mask.to_dense(), name=f"window route {window}")
+    sparse_attn.block_sparse_attention(q, k, v, block_kernel_mask(mask))
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,7 @@ def test_block_sparse_hopper(name, d):
         "longformer": lambda: patterns.longformer(L, 200, [0, 7, 1500], device="cuda"),
         "bigbird": lambda: patterns.bigbird(L, 128, 64, 2, seed=1, device="cuda"),
         "dilated": lambda: block_kernel_mask(patterns.dilated(L, 500, 3, device="cuda")),
-        "window": lambda: patterns.sliding_window(L, 300, causal=True, device="cuda"),
+        "window": lambda: block_kernel_mask(patterns.sliding_window(L, 300, causal=True, device="cuda")),
         "empty_rows": lambda: block_kernel_mask(patterns.dilated_2d(L, 512, 3, device="cuda")),
     }[name]()
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
@@ -88,7 +88,7 @@ def test_block_sparse_hopper(name, d):
 def test_hopper_deterministic_and_nan_skipped():
     L = 3000
     q, k, v = make_qkv(2, 4, 4, L, L, 128, device="cuda")
-    mask = patterns.sliding_window(L, 256, device="cuda")
+    mask = block_kernel_mask(patterns.sliding_window(L, 256, device="cuda"))
     k[:, :, 1024:] = float("nan")  # rows < 512 see keys < 768: blocks from key 1024 on are skipped
     first = sparse_attn.block_sparse_attention(q, k, v, mask)
     assert torch.isfinite(first[:, :, :512]).all()
@@ -308,7 +308,7 @@ def test_misaligned_partial_mask_words_give_the_same_output(device):
     # boundary (a view into a larger tensor) are copied before the launch, never read misaligned.
     L = 1000
     q, k, v = make_qkv(1, 2, 2, L, L, 128, device=device, seed=5)
-    mask = patterns.sliding_window(L, 300, device=device)
+    mask = block_kernel_mask(patterns.sliding_window(L, 300, device=device))
     assert mask.partial_masks.shape[0] > 0
     words = torch.zeros(mask.partial_masks.numel() + 1, dtype=torch.int32, device=device)[1:]
     words = words.view_as(mask.partial_masks).copy_(mask.partial_masks)

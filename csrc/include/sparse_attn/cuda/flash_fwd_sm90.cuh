@@ -574,10 +574,15 @@ inline bool d64_prefers_192_keys(const AttnFwdParams& p) {
 // tile, 128-row tiles (two, ping-pong) quantise better into waves of one tile per SM. Takes
 // 128 when its estimated time, rounds x the cost of a 128-row tile relative to a 192-row one, is
 // lower: 0.72 with 128-key tiles, 0.66 with 192-key tiles (fits to measured times at 4k-16k,
-// docs/PERF_LOG.md). SPARSE_ATTN_SM90_D64_ROWS=128/192 forces one.
+// docs/PERF_LOG.md). A band of at most 4096 keys per row takes 128 whatever the rounds: its
+// tiles see few key tiles, and 128-row tiles measured 1.04-1.18x as fast as 192-row ones at
+// 511-2047 keys per row (4k-64k), level at 4096, 0.97x at 8191. SPARSE_ATTN_SM90_D64_ROWS=128/192
+// forces one.
 inline bool d64_prefers_128_rows(const AttnFwdParams& p) {
   if (const char* env = std::getenv("SPARSE_ATTN_SM90_D64_ROWS"); env != nullptr)
     return std::atoi(env) == 128;
+  if (p.window_left >= 0 && int64_t(p.window_left) + 1 + (p.window_right >= 0 ? p.window_right : p.lk) <= 4096)
+    return true;
   const int64_t sms = current_device_sm_count(), bh = int64_t(p.b) * p.h;
   const int64_t rounds192 = ((int64_t(p.lq) + 191) / 192 * bh + sms - 1) / sms;
   const int64_t rounds128 = ((int64_t(p.lq) + 127) / 128 * bh + sms - 1) / sms;
