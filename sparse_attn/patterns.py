@@ -788,8 +788,8 @@ def dilated_2d(
     """LongNet-style dilated attention: i and j in the same segment of length ``segment``, each at
     a position within it that is a multiple of ``dilation``. Rows at other positions see no key.
 
-    ``block_sparse_attention`` runs this mask (as built here, not combined with others) as dense
-    attention over each segment's attending positions, computing no masked pairs."""
+    ``block_sparse_attention`` runs this mask (as built here, not combined with others, dilation > 1)
+    as dense attention over each segment's attending positions, computing no masked pairs."""
     seq_len = _positive("seq_len", seq_len, 0)
     segment = _positive("segment", segment)
     dilation = _positive("dilation", dilation)
@@ -798,23 +798,21 @@ def dilated_2d(
         if seq_len == 0:
             return _empty(0, 0, bs, _device(device))
         mask = _realise(_dilated_2d_plan(seq_len, segment, dilation, bs), _device(device))
-        if dilation > 1:  # with 1 the segments are whole blocks (up to the ends) of the block kernel
-            mask._route = ("dilated_2d", segment, dilation)
-        return mask
-    bq, bk = _pair(block_size)
+    else:
+        bq, bk = _pair(block_size)
 
-    def cand(i0, j0):
-        # Segments spanned by the query rows and the key columns of each block overlap.
-        return (i0 // segment <= (j0 + bk - 1) // segment) & (j0 // segment <= (i0 + bq - 1) // segment)
+        def cand(i0, j0):
+            # Segments spanned by the query rows and the key columns of each block overlap.
+            return (i0 // segment <= (j0 + bk - 1) // segment) & (j0 // segment <= (i0 + bq - 1) // segment)
 
-    def key(i0, j0):
-        return torch.stack([i0 % segment, j0 % segment, i0 // segment - j0 // segment], -1)
+        def key(i0, j0):
+            return torch.stack([i0 % segment, j0 % segment, i0 // segment - j0 // segment], -1)
 
-    def allowed(i, j):
-        return (i // segment == j // segment) & ((i % segment) % dilation == 0) & ((j % segment) % dilation == 0)
+        def allowed(i, j):
+            return (i // segment == j // segment) & ((i % segment) % dilation == 0) & ((j % segment) % dilation == 0)
 
-    mask = _build((seq_len, seq_len), block_size, device, cand, key, allowed)
-    if dilation > 1:
+        mask = _build((seq_len, seq_len), block_size, device, cand, key, allowed)
+    if dilation > 1:  # with dilation 1 every position attends: the block kernel runs the mask
         mask._route = ("dilated_2d", segment, dilation)
     return mask
 
