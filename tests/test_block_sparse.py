@@ -400,14 +400,19 @@ def test_random_mask_fuzz_longer(seed, device):
     _run_fuzz(seed, device, max_len=385)
 
 
+def _spy(monkeypatch, name, record):
+    """Calls that block_sparse_attention makes of ops.<name>, each as record(its arguments)."""
+    from sparse_attn import ops
+
+    calls, real = [], getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *args: calls.append(record(args)) or real(*args))
+    return calls
+
+
 def _spy_dilated(monkeypatch, route="_run_dilated"):
     """Calls of a dilated route of block_sparse_attention (ops._run_dilated: one window per residue
     class; ops._run_dilated_2d: dense attention per segment), as their (window or segment, dilation)."""
-    from sparse_attn import ops
-
-    calls, real = [], getattr(ops, route)
-    monkeypatch.setattr(ops, route, lambda *args: calls.append(args[3:5]) or real(*args))
-    return calls
+    return _spy(monkeypatch, route, lambda args: args[3:5])
 
 
 @pytest.mark.parametrize(
@@ -439,11 +444,7 @@ def test_combined_dilated_mask_takes_the_generic_path(monkeypatch, device):
 
 def _spy_block_kernel(monkeypatch):
     """Masks that block_sparse_attention hands to the block-sparse kernel (ops._run_block_sparse)."""
-    from sparse_attn import ops
-
-    calls, real = [], ops._run_block_sparse
-    monkeypatch.setattr(ops, "_run_block_sparse", lambda *args: calls.append(args[3]) or real(*args))
-    return calls
+    return _spy(monkeypatch, "_run_block_sparse", lambda args: args[3])
 
 
 @pytest.mark.parametrize("block_size", [64, 128, (64, 128)])

@@ -702,10 +702,11 @@ def test_mask_on_another_device_than_query(query_device, mask_device):
             q, k, v, attn_mask=torch.ones(LB, LB, dtype=torch.bool, device=mask_device)
         )
     # Every route of block_sparse_attention checks it: the block kernel, and the patterns that run
-    # as flash attention (causal, dilated, dilated 2-D).
+    # as flash attention (causal, sliding window, dilated, dilated 2-D).
     for mask in (
         block_kernel_mask(patterns.causal(LB, LB, device=mask_device)),
         patterns.causal(LB, LB, device=mask_device),
+        patterns.sliding_window(LB, 40, device=mask_device),
         patterns.dilated(LB, 40, 2, device=mask_device),
         patterns.dilated_2d(LB, 64, 2, device=mask_device),
     ):

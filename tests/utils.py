@@ -84,6 +84,7 @@ def check_attention(out, lse, q, k, v, *, mask=None, causal=False, scale=None, n
 
 def block_kernel_mask(mask: BlockSparseMask) -> BlockSparseMask:
     """The same block mask as a plain one: block_sparse_attention runs it through the block-sparse
-    kernel even where the pattern builder's tag would route it elsewhere (patterns.dilated,
-    patterns.dilated_2d), so tests of the kernel keep their all-partial and empty-row masks."""
+    kernel even where the pattern builder's tag would route it elsewhere (patterns.causal,
+    sliding_window, dilated, dilated_2d), so tests of the kernel keep their causal, band, all-partial
+    and empty-row masks."""
     return BlockSparseMask(*mask._tensors(), seq_lengths=mask.seq_lengths, block_size=mask.block_size)
