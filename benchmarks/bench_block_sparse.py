@@ -14,10 +14,10 @@ our time (> 1: we are faster); `vs d·flash` = our time / (density × our dense 
 TFLOP/s (>= 0.85: within 15 % of dense). Ours, Flex and our dense flash are timed in turn over
 `--rounds` rounds for every pattern, and each ratio is the median of the per-round ratios (the GPU's
 clock drifts by several per cent over a run; a dense time taken once at the start moved the 16k ratios
-by up to 10 %). The construction table times building
-each pattern with `sparse_attn.patterns` on the GPU against Flex's `create_block_mask`, and
-relates it to our attention time at that length (Flex's create_block_mask with _compile=True,
-as recommended for long sequences; its eager form materialises L x L and runs out of memory at 128k).
+by up to 10 %). The construction table times building each pattern with `sparse_attn.patterns` on
+the GPU against Flex's `create_block_mask`, and relates it to our attention time at that length
+(each the median of 20 calls after a warm-up; Flex's create_block_mask with _compile=True, as
+recommended for long sequences; its eager form materialises L x L and runs out of memory at 128k).
 """
 
 from __future__ import annotations
@@ -99,19 +99,21 @@ def balanced_like(mask: BlockSparseMask, length: int, device) -> BlockSparseMask
     return BlockSparseMask.from_block_matrix(blocks, seq_lengths=(length, length))
 
 
-def sync_time_ms(fn, reps=5) -> float:
-    """Wall time of fn() including its host synchronisations (for mask construction)."""
+def sync_time_ms(fn, reps=20) -> float:
+    """Median wall time of fn() including its host synchronisations (for mask construction), over
+    `reps` calls after a warm-up. Building a pattern is bound by the host's cost per op, which
+    varies between calls on the lent machines (best and median of 5 differed by up to 2x)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
+    times = []
     for _ in range(reps):
         start.record()
         fn()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def make_qkv(b, h, length, d, dev):

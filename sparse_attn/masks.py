@@ -118,12 +118,19 @@ class BlockSparseMask:
         block_size: int | tuple[int, int] = 128,
         validate: bool = True,
     ):
+        self._assign(kv_num_blocks, kv_indices, kv_partial, partial_masks, seq_lengths, _pair(block_size))
+        _check_block_size(self.block_size)
+        self._check_layout()
+        if validate:
+            self.validate()
+
+    def _assign(self, kv_num_blocks, kv_indices, kv_partial, partial_masks, seq_lengths, block_size) -> None:
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
         self.kv_partial = kv_partial
         self.partial_masks = partial_masks
         self.seq_lengths = (int(seq_lengths[0]), int(seq_lengths[1]))
-        self.block_size = _pair(block_size)
+        self.block_size = block_size
         # The attention kernel's CTA schedule for this mask (see ops._schedule), made on first use
         # (or by the pattern builders, from their host plan) and kept: the mask is not modified.
         self._order: torch.Tensor | None = None
@@ -132,10 +139,15 @@ class BlockSparseMask:
         # it: block_sparse_attention then runs it as flash attention (causal, or with that window)
         # or as dense attention over the positions it connects (ops._run_route).
         self._route: tuple[str, int, int] | None = None
-        _check_block_size(self.block_size)
-        self._check_layout()
-        if validate:
-            self.validate()
+
+    @classmethod
+    def _trusted(cls, kv_num_blocks, kv_indices, kv_partial, partial_masks, seq_lengths, block_size) -> BlockSparseMask:
+        """A mask from tensors a builder of this package laid out (int32, on one device, of
+        consistent shapes; ``block_size`` a valid pair), without the layout checks: their Python
+        cost is a tenth of building a pattern on a GPU."""
+        mask = cls.__new__(cls)
+        mask._assign(kv_num_blocks, kv_indices, kv_partial, partial_masks, seq_lengths, block_size)
+        return mask
 
     # ------------------------------------------------------------------ shape
     @property

@@ -10,12 +10,14 @@ block (a band's blocks depend only on their diagonal offset and on how much of t
 sequences, so a causal mask of any length needs a few partial blocks, one more for a ragged tail).
 
 With equal query and key blocks (the default) no pattern synchronises the host with the device
-(``causal(compact=True)`` aside), and each runs the same dozen device operations at any length: the
-distinct blocks are enumerated and their bits packed on the host, and the block table is one lookup
-on the device (see "square blocks" below). The host work is cached per set of arguments, so
+(``causal(compact=True)`` aside), and each runs the same few device operations at any length: the
+distinct blocks are enumerated and their bits packed on the host, with the rows' key blocks where
+they are runs (bands, dilations, global tokens, BigBird), else the block table is one lookup on the
+device (see "square blocks" below). The host work is cached per set of arguments, so
 rebuilding a pattern is one copy and the device operations. Under ``torch.compile`` or CUDA graph
-capture, ``causal`` and ``sliding_window`` take a form built from torch operations alone. Mixed
-block sizes take a generic path that synchronises.
+capture, ``causal`` and ``sliding_window`` take a form built from torch operations alone; the other
+patterns can be captured too: the graph copies their plan from page-locked memory kept for the
+process. Mixed block sizes take a generic path that synchronises.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -136,19 +139,23 @@ def _band(seq_lengths, block_size, device, lo: int, hi: int, pred=None) -> Block
 
 # ------------------------------------------------------------------------------------ square blocks
 # With q_block == kv_block every builder below runs without a host-device synchronisation and with
-# a fixed number of device operations (about a dozen, whatever the length). The bits of block
+# a fixed number of device operations (one to a dozen, whatever the length). The bits of block
 # (qb, kb) depend only on a few small attributes: its diagonal (a band's d = i - j ranges over
 # t + r - c, t = (qb - kb) * bs) or, for dilated_2d, its segment offset; how many of its rows and
 # columns lie inside the sequences; which of its rows and columns are global tokens. Each takes a
 # handful of values, so the distinct blocks (classes) are enumerated on the host, their bits
 # computed from the element predicate and packed there, and the (nQb, nKb) block table on the
-# device is one lookup into the classes' states. On the host a block's bits are "block words": its
+# device is one lookup into the classes' states. Where each row's key blocks are a run (bands,
+# dilations: those of the run that hold an allowed pair), plus global columns and random blocks,
+# the host lists them (_row_lists, a few entries per row) and the device only copies them: building
+# a pattern on a GPU is bound by the host's cost per device op, not by the device. On the host a block's bits are "block words": its
 # packed int32 words (row-major, as pack_bits stores them) two to an int64, (bs * bs // 64,), so
 # that the bitwise work and comparisons touch few numbers. The host work (a "plan": numpy, O(nQb + nKb),
 # plus the row counts that give the width of kv_indices) is cached per set of arguments, so a
 # pattern rebuilt with the same arguments costs one copy to the device and the device ops.
 
 _LUT_MAX = 1 << 16  # entries of a one-step lookup table; beyond it the table takes two lookups
+_RUN_SLACK = 4  # a plan lists its rows' key blocks on the host unless their runs are wider (_runs)
 
 
 class _Band(NamedTuple):
@@ -351,12 +358,13 @@ class _Plan(NamedTuple):
     shapes: tuple[tuple[int, ...], ...]
     # Plans of bands and unions also carry their rows' key blocks, worked out on the host
     # (_row_lists), after the arrays above: then _realise skips the table.
-    row_lists: int = 0  # trailing arrays of them: 2 ((H, nq, narrow) indices and states), 5 (also full rows)
-    narrow: int = 0  # widest row that does not hold a global token
+    row_lists: int = 0  # trailing arrays of them: 2 ((H, nq, narrow) indices, states), 4 (rows holding globals)
+    offsets: tuple[int, ...] = ()  # where each array starts in the buffer
 
 
 class _Runs(NamedTuple):
-    """Rows whose key blocks are a run ``k0..k1`` (empty when k1 < k0), the key blocks ``g``
+    """Rows whose key blocks are those of a run ``k0..k1`` (empty when k1 < k0) that hold an
+    allowed pair (all of them when ``drawn`` is given), the key blocks ``g``
     (sorted, distinct) that hold global tokens, and for each head the full ``random`` blocks
     (H, nq, r) outside those two (the others replaced by nk) or None, and the same as ``drawn``;
     rows ``full_rows`` (holding a global token) list every key block."""
@@ -381,7 +389,9 @@ def _lookup(lut: list[np.ndarray], qb: np.ndarray, kb: np.ndarray) -> np.ndarray
 def _row_lists(runs: _Runs, lut: list[np.ndarray], counts: np.ndarray, nk: int) -> list[np.ndarray]:
     """Every row's key blocks and their states (the kv_indices / kv_partial entries), on the host:
     for rows without a global token (H, nq, narrow) arrays, 0 / _FULL past a row's count; rows
-    holding one list every key block, given as their numbers (nf,) and states (H, nf, nk)."""
+    holding one list every key block: their first ``narrow`` entries are in those arrays, the
+    states of the rest in a (H * (nf + 1), nk - narrow) table that follows, with each (head,
+    query block)'s row of it (the last of a head's nf + 1: all _FULL, for rows without one)."""
     k0, k1, g = runs.k0[:, None], runs.k1[:, None], runs.g
     nq, ng = runs.k0.size, g.size
     length = np.maximum(k1 - k0 + 1, 0)
@@ -396,10 +406,15 @@ def _row_lists(runs: _Runs, lut: list[np.ndarray], counts: np.ndarray, nk: int) 
     if runs.random is not None:  # merge the drawn blocks not listed yet
         idx = np.sort(np.concatenate([np.broadcast_to(idx, (runs.random.shape[0], *idx.shape[1:])), runs.random], -1))
     narrow = int(np.where(runs.full_rows, 0, counts).max(initial=0))
-    idx = idx[..., :narrow]
     live = idx < nk
     qb = np.arange(nq)[None, :, None]
     state = np.where(live, _lookup(lut, qb, np.where(live, idx, 0)), _FULL)
+    if runs.drawn is None:  # a run may pass key blocks with no allowed pair (dilations): drop them
+        live &= state != _NONE
+        order = np.argsort(~live, axis=-1, kind="stable")
+        idx, state, live = (np.take_along_axis(x, order, -1) for x in (idx, state, live))
+        state = np.where(live, state, _FULL)
+    idx, state, live = idx[..., :narrow], state[..., :narrow], live[..., :narrow]
     full = np.flatnonzero(runs.full_rows)
     full_state = np.broadcast_to(_lookup(lut, full[:, None], np.arange(nk)[None]), (idx.shape[0], full.size, nk))
     if runs.drawn is not None:  # drawn blocks are full, also where the band or a global column lists them
@@ -410,8 +425,20 @@ def _row_lists(runs: _Runs, lut: list[np.ndarray], counts: np.ndarray, nk: int) 
         drawn_full = runs.drawn[:, full]  # (H, nf, r)
         hh, ff = np.meshgrid(np.arange(idx.shape[0]), np.arange(full.size), indexing="ij")
         full_state[hh[..., None], ff[..., None], drawn_full] = _FULL
-    out = [np.where(live, idx, 0), state]
-    return out + ([runs.full_rows, full, full_state] if full.size else [])
+    idx = np.where(live, idx, 0)
+    if not full.size:
+        return [idx, state]
+    # Rows holding a global token: their first `narrow` entries here, the rest in `tails` (and a
+    # last row of _FULL for the others), which `rows` picks for each (head, query block).
+    h, nf = idx.shape[0], full.size
+    idx = np.where(runs.full_rows[:, None], np.arange(narrow), idx)
+    state = state.copy()
+    state[:, full] = full_state[..., :narrow]
+    tails = np.concatenate([full_state[..., narrow:], np.full((h, 1, nk - narrow), _FULL)], 1)
+    rows = np.full((h, nq), nf)
+    rows[:, full] = np.arange(nf)
+    rows += np.arange(h)[:, None] * (nf + 1)
+    return [idx, state, tails.reshape(h * (nf + 1), nk - narrow), rows.ravel()]
 
 
 def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, runs=None) -> _Plan:
@@ -433,17 +460,18 @@ def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, runs=No
     # The attention's CTA schedule (ops._schedule), from the host's row counts.
     weights = counts.max(0)
     arrays.append(np.append(np.argsort(-weights, kind="stable"), int((weights > 2 * weights.mean()).sum())))
-    extra = ()
-    if runs is not None:
-        lists = _row_lists(runs, [x.astype(np.int64) for x in lut], counts, cols.size)
-        arrays += lists
-        extra = (len(lists), lists[0].shape[-1])
+    lists = [] if runs is None else _row_lists(runs, [x.astype(np.int64) for x in lut], counts, cols.size)
+    arrays += lists
     buffer = np.concatenate([x.ravel() for x in arrays]).astype(np.int32)
     shapes = tuple(x.shape for x in arrays)
-    return _Plan(lengths, bs, int(counts.max()), len(lut) == 6, buffer, shapes, *extra)
+    offsets = (0, *itertools.accumulate(x.size for x in arrays[:-1]))
+    return _Plan(lengths, bs, int(counts.max()), len(lut) == 6, buffer, shapes, len(lists), offsets)
 
 
 _PINNED: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+# Pinned buffers that a CUDA graph's copy reads at every replay: kept for the process (never evicted
+# nor cleared), by plan buffer, so recapturing a pattern adds nothing.
+_CAPTURED: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
 
 
 def _pinned(plan: _Plan) -> torch.Tensor:
@@ -459,65 +487,60 @@ def _pinned(plan: _Plan) -> torch.Tensor:
 
 
 def _realise(plan: _Plan, dev: torch.device, compact: bool = False) -> BlockSparseMask:
-    """The mask of a plan on ``dev``: one host-to-device copy and about a dozen device ops, none of
-    which waits for the device (``compact`` merges identical partial blocks: one sync). Plans with
-    row lists take them (_realise_lists) unless ``compact``; only band plans are realised compact, and
-    union plans (whose random blocks live only in their row lists) never are."""
-    flat = torch.from_numpy(plan.buffer)
-    flat = _pinned(plan).to(dev, non_blocking=True) if dev.type == "cuda" else flat.to(dev, copy=True)
-    ends = list(itertools.accumulate(math.prod(s) for s in plan.shapes))
+    """The mask of a plan on ``dev``: one host-to-device copy and a few device ops, none of which
+    waits for the device (``compact`` merges identical partial blocks: one sync). Plans with row
+    lists are their arrays (views of the copy) unless ``compact``; only band plans are realised
+    compact, and union plans (whose random blocks live only in their row lists) never are.
+    Building a pattern on a GPU is bound by the host's cost per op (5-30 us each on the lent
+    H100's host), so each array is one op, and widening rows for global tokens three."""
+    if dev.type == "cuda":
+        pinned = _pinned(plan)
+        if torch.cuda.is_current_stream_capturing():  # the graph copies from this memory at replay
+            _CAPTURED[id(plan.buffer)] = (plan.buffer, pinned)
+        flat = pinned.to(dev, non_blocking=True)
+    else:
+        flat = torch.from_numpy(plan.buffer).to(dev, copy=True)
 
-    def part(i: int) -> torch.Tensor:  # array i of the buffer, on the device
-        return flat[ends[i] - math.prod(plan.shapes[i]) : ends[i]].view(plan.shapes[i])
+    def part(i: int, lead: tuple[int, ...] = ()) -> torch.Tensor:  # array i of the buffer, on the device
+        shape = (*lead, *plan.shapes[i])
+        strides = tuple(itertools.accumulate((1, *shape[:0:-1]), operator.mul))[::-1]
+        return flat.as_strided(shape, strides, plan.offsets[i])
 
     n = len(plan.shapes)
+    first = 6 if plan.two_step else 3  # the lookup's arrays, then bits, counts, positions
+    bits, counts = part(first), part(first + 1, (1,))
     order = part(n - plan.row_lists - 1)  # the arrays end with the schedule, then the row lists
+    lengths, block_size = plan.seq_lengths, (plan.bs, plan.bs)
     if plan.row_lists and not compact:
-        first = 6 if plan.two_step else 3  # bits, counts, positions follow the lookup
-        lists = [part(i) for i in range(n - plan.row_lists, n)]
-        mask = _realise_lists(plan, lists, [part(first + i) for i in range(3)])
+        idx, state = part(n - plan.row_lists, (1,)), part(n - plan.row_lists + 1, (1,))
+        if plan.row_lists == 4:  # rows holding a global token list every key block: widen all rows
+            _, h, nq, narrow = idx.shape
+            nk = plan.shapes[first + 2][0]
+            tail = (1, h, nq, nk - narrow)  # key blocks narrow.. (the other rows ignore theirs)
+            idx = torch.cat([idx, flat.as_strided(tail, (0, 0, 0, 1), plan.offsets[first + 2] + narrow)], -1)
+            tails = torch.index_select(part(n - 2), 0, part(n - 1)).view(tail)
+            state = torch.cat([state, tails], -1)
+        mask = BlockSparseMask._trusted(counts, idx, state, bits, lengths, block_size)
         mask._order = order
         return mask
-    parts = [part(i) for i in range(n - plan.row_lists - 1)]
     if plan.two_step:
-        lut, a, b, diag_lut, ca, cb, bits, counts, positions = parts
+        lut, a, b, diag_lut, ca, cb = (part(i) for i in range(6))
         table = lut[diag_lut[ca[:, None] + cb] + (a[:, None] + b)]
     else:
-        lut, a, b, bits, counts, positions = parts
+        lut, a, b = (part(i) for i in range(3))
         table = lut[a[:, None] + b]
     nk = table.shape[-1]
     table = table[None, None]
-    lengths, block_size = plan.seq_lengths, (plan.bs, plan.bs)
     if compact:
         mask = BlockSparseMask._from_table(table, bits, lengths, block_size, max_kv_blocks=plan.width)
     else:  # as BlockSparseMask._from_table, with the row counts and the width from the host
-        pos = torch.where(table != _NONE, positions, nk).sort(-1).values[..., : plan.width]
+        pos = torch.where(table != _NONE, part(first + 2), nk).sort(-1).values[..., : plan.width]
         live = pos < nk
         idx = torch.where(live, pos, 0)
         state = torch.where(live, table.gather(-1, idx.long()), _FULL)
-        mask = BlockSparseMask(
-            counts[None], idx, state, bits, seq_lengths=lengths, block_size=block_size, validate=False
-        )
+        mask = BlockSparseMask._trusted(counts, idx, state, bits, lengths, block_size)
     mask._order = order
     return mask
-
-
-def _realise_lists(plan: _Plan, lists: list[torch.Tensor], parts: list[torch.Tensor]) -> BlockSparseMask:
-    # parts: the plan's bits, counts and positions; lists: the arrays of _row_lists.
-    """_realise from the rows' key blocks worked out on the host (_row_lists): the tables are the
-    copied arrays themselves, widened to every key block when some row holds a global token (a
-    handful of device ops, none of them on an nQb x nKb table before it is the output)."""
-    bits, counts, positions = parts
-    idx, part = lists[0], lists[1]
-    if len(lists) == 5:  # rows holding a global token list every key block
-        full_rows, full, full_state = lists[2], lists[3], lists[4]
-        pad = (0, plan.width - plan.narrow)
-        idx = torch.where(full_rows[:, None] != 0, positions, torch.nn.functional.pad(idx, pad))
-        part = torch.nn.functional.pad(part, pad, value=_FULL).index_copy_(-2, full.long(), full_state)
-    lengths, block_size = plan.seq_lengths, (plan.bs, plan.bs)
-    return BlockSparseMask(
-        counts[None], idx[None], part[None], bits, seq_lengths=lengths, block_size=block_size, validate=False
-    )
 
 
 def _clear_plans() -> None:
@@ -536,6 +559,17 @@ def _band_counts(state, diag_cls, rows_cls, cols_cls, nq: int, nk: int) -> np.nd
     q = np.arange(nq)
     # Row qb: key blocks 0..nk-2 lie at m + nk - 1 = qb + nk - 1 .. qb + 1, key block nk - 1 at qb.
     return prefix[q + nk, rows_cls] - prefix[q + 1, rows_cls] + last[q, rows_cls]
+
+
+def _runs(j_lo: np.ndarray, j_hi: np.ndarray, bs: int, counts: np.ndarray) -> _Runs | None:
+    """_Runs of rows whose allowed keys lie in j_lo..j_hi (empty when j_lo > j_hi), or None (the
+    plan then takes the device table) when the runs would hold over _RUN_SLACK times the entries
+    of the rows' lists: a dilation can leave most blocks of a run without an allowed pair."""
+    empty = j_lo > j_hi
+    k0, k1 = np.where(empty, 0, j_lo // bs), np.where(empty, -1, j_hi // bs)
+    if (k1 - k0 + 1).max(initial=0) > _RUN_SLACK * max(int(counts.max(initial=0)), 1):
+        return None
+    return _Runs(k0, k1, np.zeros(0, dtype=np.int64), np.zeros(k0.size, dtype=bool))
 
 
 def _band_of(kind: str, a: int, b: int | None) -> _Band:
@@ -557,14 +591,12 @@ def _band_plan(lq: int, lk: int, bs: int, band: tuple) -> _Plan:
     counts = _band_counts(state, diag_cls, rows[0], cols[0], nq, nk)
     coord = (np.arange(nq) + (nk - 1), -np.arange(nk))
     runs = None
-    if band[0] == "interval":  # row qb sees keys first_i - hi .. last_i - lo: one run of key blocks
-        lo, hi = band[1], band[2]
+    if band[0] != "strided":  # row qb sees keys first_i - hi .. last_i - lo: one run of key blocks
+        lo, hi = (band[1], band[2]) if band[0] == "interval" else (-(band[1] - 1), band[1] - 1)
         first = np.arange(nq) * bs
         j_lo = np.maximum(first - hi, 0) if hi is not None else np.zeros(nq, dtype=np.int64)
         j_hi = np.minimum(np.minimum(first + bs, lq) - 1 - lo, lk - 1)
-        empty = j_lo > j_hi
-        k0, k1 = np.where(empty, 0, j_lo // bs), np.where(empty, -1, j_hi // bs)
-        runs = _Runs(k0, k1, np.zeros(0, dtype=np.int64), np.zeros(nq, dtype=bool))
+        runs = _runs(j_lo, j_hi, bs, counts)
     return _plan((lq, lk), bs, state, coord, diag_cls, rows[0], cols[0], bits, counts[None], runs=runs)
 
 
@@ -635,8 +667,13 @@ def _band_square(lq: int, lk: int, bs: int, lo: int, hi: int | None, dev: torch.
 
 def _global_idx(seq_len: int, global_idx: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     """Sorted distinct global tokens (a device tensor is copied to the host: one sync)."""
-    if isinstance(global_idx, (list, tuple, range)) and all(isinstance(x, int) for x in global_idx):
+    if isinstance(global_idx, range):  # sorted and distinct already (once ascending)
+        idx = global_idx if global_idx.step > 0 else global_idx[::-1]
+    elif isinstance(global_idx, (list, tuple)) and all(isinstance(x, int) for x in global_idx):
         idx = sorted(set(global_idx))  # the common case, without numpy's per-call overhead
+    else:
+        idx = None
+    if idx is not None:
         if idx and (idx[0] < 0 or idx[-1] >= seq_len):
             raise ValueError(f"global_idx must lie in [0, {seq_len}), got values in [{idx[0]}, {idx[-1]}]")
         return tuple(idx)
@@ -860,7 +897,11 @@ def _dilated_2d_plan(seq_len: int, segment: int, dilation: int, bs: int) -> _Pla
     near = per_segment[s0[:, None] + np.arange(2 * span + 1)]  # (n, 2 span + 1, K)
     listed = (state[: 2 * span + 1] != _NONE).transpose(1, 0, 2)[cls]  # (n, 2 span + 1, K)
     counts = (near * listed).sum((1, 2))
-    return _plan((seq_len, seq_len), bs, state, (s_max - s0, s0), diag_cls, cls, cls, bits, counts[None])
+    # Row qb's keys lie in the segments of its first and last rows.
+    i1 = np.minimum(start + bs, seq_len) - 1
+    j_hi = np.minimum((i1 // segment + 1) * segment, seq_len) - 1
+    runs = _runs(s0 * segment, j_hi, bs, counts)
+    return _plan((seq_len, seq_len), bs, state, (s_max - s0, s0), diag_cls, cls, cls, bits, counts[None], runs=runs)
 
 
 def global_tokens(

@@ -170,6 +170,8 @@ def test_global_tokens(length, block_size):
     if length:  # a tensor, unsorted, with duplicates
         idx = torch.tensor([length - 1, 0, length // 3, 0])
         check(patterns.global_tokens(length, idx, block_size=block_size), global_(length, idx.tolist()), block_size)
+        for idx in (range(length // 3, length, 50), range(length - 1, -1, -37), range(5, 5)):  # ranges, descending
+            check(patterns.global_tokens(length, idx, block_size=block_size), global_(length, list(idx)), block_size)
 
 
 @pytest.mark.parametrize("length, block_size", SHAPES)
@@ -232,6 +234,31 @@ def test_two_step_lookup(monkeypatch, fresh_plans):
 
 
 @pytest.mark.parametrize("block_size", SQUARE)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda bs: patterns.dilated(4133, 700, 3, block_size=bs),
+        lambda bs: patterns.dilated(1000, 5000, 200, block_size=bs),  # blocks of the run with no pair
+        lambda bs: patterns.dilated_2d(4133, 1000, 7, block_size=bs),
+        lambda bs: patterns.dilated_2d(1000, 96, 129, block_size=bs),  # rows and blocks with no pair
+        lambda bs: patterns.dilated_2d(1000, 5, 2, block_size=bs),
+        lambda bs: patterns.sliding_window(1000, 300, block_size=bs),
+    ],
+)
+def test_row_lists_and_device_table_agree(monkeypatch, fresh_plans, make, block_size):
+    """Dilated patterns list their rows' key blocks on the host, dropping the blocks of a row's run
+    that hold no allowed pair, unless the runs are much wider than the lists (then the device
+    builds the block table): both give the same tensors."""
+    monkeypatch.setattr(patterns, "_RUN_SLACK", 1 << 30)
+    lists = make(block_size)
+    patterns._clear_plans()
+    monkeypatch.setattr(patterns, "_RUN_SLACK", 0)
+    table = make(block_size)
+    for a, b in zip(lists._tensors() + (lists._order,), table._tensors() + (table._order,), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("block_size", SQUARE)
 @pytest.mark.parametrize("lengths", [(1, 1), (63, 64), (129, 129), (1000, 1000), (300, 1000), (1000, 300)])
 def test_traceable_band_form_agrees(lengths, block_size):
     """Under torch.compile or CUDA graph capture causal and sliding windows take a form built from
@@ -259,6 +286,41 @@ def test_causal_and_window_under_cuda_graph_capture():
         ]
     graph.replay()
     torch.cuda.synchronize()
+    for mask, dense in zip(masks, want, strict=True):
+        assert torch.equal(mask.to_dense().cpu(), dense)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("warm", [True, False])
+def test_copied_patterns_under_cuda_graph_capture(warm):
+    """The other patterns copy their host plan from page-locked memory: a captured graph replays
+    that copy, so the memory must outlive the plan cache (cleared, then page-locked memory churned,
+    before the replay)."""
+    builders = [
+        lambda d: patterns.longformer(1000, 100, [0, 500], device=d),
+        lambda d: patterns.bigbird(1000, 64, 3, 2, seed=1, heads=2, device=d),
+        lambda d: patterns.dilated(1000, 300, 3, device=d),
+        lambda d: patterns.dilated_2d(1000, 200, 2, device=d),
+        lambda d: patterns.strided(1000, 129, 40, device=d),
+        lambda d: patterns.global_tokens(1000, [3, 999], device=d),
+    ]
+    want = [make("cpu").to_dense() for make in builders]
+    patterns._clear_plans()
+    side = torch.cuda.Stream()
+    if warm:
+        with torch.cuda.stream(side):
+            for make in builders:
+                make("cuda")
+        torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        masks = [make("cuda") for make in builders]
+    sizes = [buffer.size for buffer, _ in patterns._PINNED.values()]
+    patterns._clear_plans()
+    churn = [torch.full((n,), -7, dtype=torch.int32).pin_memory() for n in sizes * 3]
+    graph.replay()
+    torch.cuda.synchronize()
+    del churn
     for mask, dense in zip(masks, want, strict=True):
         assert torch.equal(mask.to_dense().cpu(), dense)
 

@@ -450,6 +450,16 @@ _BAD = {
         "global_idx",
         lambda: patterns.global_tokens(100, [0]),
     ),
+    "global_range_past_end": (
+        lambda: patterns.global_tokens(100, range(101)),
+        "global_idx",
+        lambda: patterns.global_tokens(100, range(100)),
+    ),
+    "global_range_negative": (
+        lambda: patterns.global_tokens(100, range(50, -2, -1)),
+        "global_idx",
+        lambda: patterns.global_tokens(100, range(50, -1, -1)),
+    ),
     "longformer_global": (
         lambda: patterns.longformer(100, 4, [100]),
         "global_idx",
