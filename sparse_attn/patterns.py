@@ -148,11 +148,12 @@ def _band(seq_lengths, block_size, device, lo: int, hi: int, pred=None) -> Block
 # device is one lookup into the classes' states. Where each row's key blocks are a run (bands,
 # dilations: those of the run that hold an allowed pair), plus global columns and random blocks,
 # the host lists them (_row_lists, a few entries per row) and the device only copies them: building
-# a pattern on a GPU is bound by the host's cost per device op, not by the device. On the host a block's bits are "block words": its
-# packed int32 words (row-major, as pack_bits stores them) two to an int64, (bs * bs // 64,), so
-# that the bitwise work and comparisons touch few numbers. The host work (a "plan": numpy, O(nQb + nKb),
-# plus the row counts that give the width of kv_indices) is cached per set of arguments, so a
-# pattern rebuilt with the same arguments costs one copy to the device and the device ops.
+# a pattern on a GPU is bound by the host's cost per device op, not by the device. On the host a
+# block's bits are "block words": its packed int32 words (row-major, as pack_bits stores them) two
+# to an int64, (bs * bs // 64,), so that the bitwise work and comparisons touch few numbers. The
+# host work (a "plan": numpy, O(nQb + nKb), plus the row counts that give the width of kv_indices)
+# is cached per set of arguments, so a pattern rebuilt with the same arguments costs one copy to
+# the device and the device ops.
 
 _LUT_MAX = 1 << 16  # entries of a one-step lookup table; beyond it the table takes two lookups
 _RUN_SLACK = 4  # a plan lists its rows' key blocks on the host unless their runs are wider (_runs)
