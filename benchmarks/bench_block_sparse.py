@@ -65,6 +65,15 @@ def flex_mask_mods(length: int, device):
 
     for w in (256, 1024, 4096):
         mods[f"window {w}"] = (partial(window_mod, w), partial(patterns.sliding_window, length, w, device=device))
+
+    def causal_window_mod(w, b, h, q, kv):
+        return (q >= kv) & (q - kv < w)
+
+    # The causal sliding window of Mistral- and Gemma-style layers (DESIGN's Flex reference: w = 1024).
+    mods["window 1024 causal"] = (
+        partial(causal_window_mod, 1024),
+        partial(patterns.sliding_window, length, 1024, causal=True, device=device),
+    )
     gtok = 64
     mods["longformer w=512 g=64"] = (
         lambda b, h, q, kv: ((q - kv).abs() < 512) | (q < gtok) | (kv < gtok),

@@ -1,7 +1,11 @@
 """The benchmark's interleaved timing (sparse_attn.bench.time_rounds, ratio_median): every function is
-timed once per round in rotated order, and ratios are taken within a round."""
+timed once per round in rotated order, and ratios are taken within a round. And the block-sparse
+benchmark's patterns: each builder names the pairs of its Flex mask_mod."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,3 +35,26 @@ def test_time_rounds_on_the_cpu():
     x = torch.randn(64, 64)
     times = bench.time_rounds({"mm": lambda: x @ x, "add": lambda: x + x}, torch.device("cpu"), rounds=2)
     assert set(times) == {"mm", "add"} and all(len(v) == 2 and min(v) > 0 for v in times.values())
+
+
+def _bench_block_sparse():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_block_sparse.py"
+    spec = importlib.util.spec_from_file_location("bench_block_sparse", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("length", [1536, 4500])
+def test_block_sparse_benchmark_builders_match_their_mask_mods(length):
+    # The benchmark times each pattern's route on the mask `patterns` builds and compares it with
+    # the block kernel on the mask Flex built from the mask_mod: both must name the same pairs.
+    # BigBird's builder draws its random blocks differently; it serves the construction table only.
+    mods = _bench_block_sparse().flex_mask_mods(length, "cpu")
+    assert "window 1024 causal" in mods
+    q, kv = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    for name, (mask_mod, build) in mods.items():
+        if name.startswith("bigbird"):
+            continue
+        got = build().to_dense().reshape(length, length)
+        assert torch.equal(got, mask_mod(0, 0, q, kv)), name

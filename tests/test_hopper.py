@@ -219,17 +219,18 @@ def test_hopper_lazy_rescale_keeps_and_moves_the_running_max(monkeypatch, d, laz
     [
         (d, rows, case)
         for d, rows in ((128, None), (64, "128"))
-        for case in ("causal", "random_empty_rows", "one_block_per_row")
+        for case in ("causal", "random_empty_rows", "one_block_per_row", "window", "causal_window")
     ]
     + [(64, "192", "causal")],  # 192-row tiles serve the dense family only
 )
 def test_hopper_merged_tile_boundary_changes_no_bit(monkeypatch, d, rows, case):
     # A tile's last P V goes in the same turn as the next tile's first Q K^T
-    # (SPARSE_ATTN_SM90_MERGE_BOUNDARY=1, the default for block-sparse masks), or in a turn of its
-    # own (=0, the dense family's default): the same GEMMs on the same operands, so bit for bit
-    # the same output, across tiles with no key block (pending P V retired alone) and tiles of a
-    # single key block (the merged turn is also the tile's last). The three-consumer kernel (head
-    # dim 64, 192-row tiles) never merges: its case checks that the switch leaves it alone.
+    # (SPARSE_ATTN_SM90_MERGE_BOUNDARY=1, the default for block-sparse masks and bands of at most
+    # 1024 keys per row), or in a turn of its own (=0, the default for the rest of the dense
+    # family): the same GEMMs on the same operands, so bit for bit the same output, across tiles
+    # with no key block (pending P V retired alone) and tiles of a single key block (the merged
+    # turn is also the tile's last); the default equals both. The three-consumer kernel (head dim
+    # 64, 192-row tiles) never merges: its case checks that the switch leaves it alone.
     if rows is not None:
         monkeypatch.setenv("SPARSE_ATTN_SM90_D64_ROWS", rows)
     L = 4224  # 33 query tiles x 12 heads: several tiles per persistent CTA
@@ -242,26 +243,37 @@ def test_hopper_merged_tile_boundary_changes_no_bit(monkeypatch, d, rows, case):
         ),
     }
     mask = blocks[case]() if case in blocks else None
+    # Bands of 256 and 255 keys per row through flash_attention (the window routes' kernel).
+    window = {"window": (127, 128), "causal_window": (255, 0)}.get(case)
+    dense_mask = mask.to_dense() if mask is not None else None
+    if window is not None:
+        i, j = torch.arange(L, device="cuda")[:, None], torch.arange(L, device="cuda")[None, :]
+        dense_mask = (i - j <= window[0]) & (j - i <= window[1])
 
     def run():
+        if window is not None:
+            return sparse_attn.flash_attention(q, k, v, window=window, return_lse=True)
         if mask is None:
             return sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
         return sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
 
+    monkeypatch.delenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY", raising=False)
+    out_default, lse_default = run()
     monkeypatch.setenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY", "1")
     out, lse = run()
     monkeypatch.setenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY", "0")
     out_apart, lse_apart = run()
-    torch.testing.assert_close(out, out_apart, rtol=0, atol=0)
-    torch.testing.assert_close(lse, lse_apart, rtol=0, atol=0)
+    for o, x in ((out_apart, lse_apart), (out_default, lse_default)):
+        torch.testing.assert_close(out, o, rtol=0, atol=0)
+        torch.testing.assert_close(lse, x, rtol=0, atol=0)
     check_attention(
         out,
         lse,
         q,
         k,
         v,
-        mask=None if mask is None else mask.to_dense(),
-        causal=mask is None,
+        mask=dense_mask,
+        causal=case == "causal",
         name=f"merged boundary {case} d={d}",
     )
 

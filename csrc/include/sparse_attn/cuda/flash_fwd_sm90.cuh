@@ -512,6 +512,12 @@ namespace sparse_attn {
 
 namespace cuda {
 
+// Keys a query row of a band (a window with a left bound) can see; -1 for any other mask.
+inline int64_t band_keys(const AttnFwdParams& p) {
+  if (p.window_left < 0) return -1;
+  return int64_t(p.window_left) + 1 + (p.window_right >= 0 ? p.window_right : p.lk);
+}
+
 template <typename Tr>
 cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stream) {
   const int64_t tiles = num_ctas<Tr::kBlockM>(params);
@@ -537,11 +543,13 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stre
   // Lazy rescale: +2-4 % at head dim 128 (docs/PERF_LOG.md).
   const char* lazy = std::getenv("SPARSE_ATTN_SM90_LAZY_RESCALE");
   P.lazy_rescale = lazy == nullptr || lazy[0] != '0';
-  // Merged tile boundary (see the kernel): block-sparse masks only, whose tiles are short
-  // (+0.4-2.0 %); dense and causal attention measured 0.988-0.999 with it.
+  // Merged tile boundary (see the kernel): block-sparse masks and bands of at most 1024 keys per
+  // row, whose tiles are short (+0.4-2.0 %; windows of 256: +1-2 %); dense and causal attention
+  // measured 0.988-0.999 with it, bands of 1024-4096 keys 0.99-1.01 (docs/PERF_LOG.md).
   // SPARSE_ATTN_SM90_MERGE_BOUNDARY=0/1 forces it off or on (A/B timing, tests).
   const char* merge = std::getenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY");
-  P.merge_boundary = merge == nullptr ? Tr::kBlockSparse : merge[0] != '0';
+  const int64_t band = band_keys(params);
+  P.merge_boundary = merge == nullptr ? Tr::kBlockSparse || (band >= 0 && band <= 1024) : merge[0] != '0';
   const int elem = 2;
   SA_CUDA_TRY(encode_bhld_tma(&P.tma_q, params.q, elem, params.d, params.lq, params.h, params.b,
                               params.q_row_stride, params.q_head_stride, params.q_batch_stride, Tr::kBlockM));
@@ -581,8 +589,7 @@ inline bool d64_prefers_192_keys(const AttnFwdParams& p) {
 inline bool d64_prefers_128_rows(const AttnFwdParams& p) {
   if (const char* env = std::getenv("SPARSE_ATTN_SM90_D64_ROWS"); env != nullptr)
     return std::atoi(env) == 128;
-  if (p.window_left >= 0 && int64_t(p.window_left) + 1 + (p.window_right >= 0 ? p.window_right : p.lk) <= 4096)
-    return true;
+  if (const int64_t band = band_keys(p); band >= 0 && band <= 4096) return true;
   const int64_t sms = current_device_sm_count(), bh = int64_t(p.b) * p.h;
   const int64_t rounds192 = ((int64_t(p.lq) + 191) / 192 * bh + sms - 1) / sms;
   const int64_t rounds128 = ((int64_t(p.lq) + 127) / 128 * bh + sms - 1) / sms;
