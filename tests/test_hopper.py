@@ -243,7 +243,8 @@ def test_hopper_merged_tile_boundary_changes_no_bit(monkeypatch, d, rows, case):
         ),
     }
     mask = blocks[case]() if case in blocks else None
-    # Bands of 256 and 255 keys per row through flash_attention (the window routes' kernel).
+    # Bands of 256 keys per row, symmetric and causal, through flash_attention (the window routes'
+    # kernel), which merges the boundary by default at this width.
     window = {"window": (127, 128), "causal_window": (255, 0)}.get(case)
     dense_mask = mask.to_dense() if mask is not None else None
     if window is not None:
