@@ -143,6 +143,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds per pattern (ours, Flex, dense)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "bench_block_sparse.py times GPU kernels and needs a CUDA device; on the CPU, "
+            "./scripts/bench.sh (python -m sparse_attn.bench) times every op at small sizes.",
+            file=sys.stderr,
+        )
+        return 2
     dev = torch.device("cuda")
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -264,7 +271,9 @@ def main(argv=None) -> int:
         del qkv
         torch.cuda.empty_cache()
 
-    text = header + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(extra) + "\n\n" + "\n".join(build) + "\n"
+    # The construction table only when it has rows (`--build-lengths` with no length turns it off).
+    tables = [lines, extra] + ([build] if len(build) > 2 else [])
+    text = header + "\n\n" + "\n\n".join("\n".join(t) for t in tables) + "\n"
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -1,6 +1,7 @@
 """The benchmark's interleaved timing (sparse_attn.bench.time_rounds, ratio_median): every function is
 timed once per round in rotated order, and ratios are taken within a round. And the block-sparse
-benchmark's patterns: each builder names the pairs of its Flex mask_mod."""
+benchmark's patterns: each builder names the pairs of its Flex mask_mod; without CUDA it exits
+with a message."""
 
 from __future__ import annotations
 
@@ -58,3 +59,13 @@ def test_block_sparse_benchmark_builders_match_their_mask_mods(length):
             continue
         got = build().to_dense().reshape(length, length)
         assert torch.equal(got, mask_mod(0, 0, q, kv)), name
+
+
+def test_block_sparse_benchmark_without_cuda_exits_with_a_message(monkeypatch, capsys):
+    # GPU-only: without a CUDA device it says so and where to go instead, rather than failing deep
+    # inside torch.cuda.
+    module = _bench_block_sparse()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert module.main(["--lengths", "1024", "--build-lengths"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA device" in err and "sparse_attn.bench" in err
