@@ -27,16 +27,39 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockSparseMask"]
+__all__ = ["BlockSparseMask", "ExactForm"]
 
 _BLOCK_SIZES = (64, 128)
 
 # Block-table states (see BlockSparseMask.block_table).
 _NONE = -2
 _FULL = -1
+
+
+@dataclass(frozen=True)
+class ExactForm:
+    """The attention a mask is exactly, when a pattern built it (and nothing combined it since).
+
+    ``block_sparse_attention`` runs such a mask in this form instead of through its block lists
+    (``sparse_attn.explain`` names the route it takes):
+
+    ==============  ==================  ==================  =================================================
+    ``kind``        ``a``               ``b``               runs as
+    ==============  ==================  ==================  =================================================
+    ``"causal"``    Lq                  Lk                  ``flash_attention(causal=True)``
+    ``"window"``    left                right               ``flash_attention(window=(left, right))``
+    ``"dilated"``   window              dilation            one sliding window per residue class
+    ``"dilated_2d"`` segment            dilation            dense attention over each segment's positions
+    ==============  ==================  ==================  =================================================
+    """
+
+    kind: str
+    a: int
+    b: int
 
 
 def _pair(x: int | Sequence[int]) -> tuple[int, int]:
@@ -134,11 +157,9 @@ class BlockSparseMask:
         # The attention kernel's CTA schedule for this mask (see ops._schedule), made on first use
         # (or by the pattern builders, from their host plan) and kept: the mask is not modified.
         self._order: torch.Tensor | None = None
-        # ("causal", Lq, Lk), ("window", left, right), ("dilated", window, dilation) or
-        # ("dilated_2d", segment, dilation) when the mask is exactly that pattern as patterns built
-        # it: block_sparse_attention then runs it as flash attention (causal, or with that window)
-        # or as dense attention over the positions it connects (ops._run_route).
-        self._route: tuple[str, int, int] | None = None
+        # Set by the pattern builders when the mask is exactly their pattern (see ExactForm);
+        # dropped by every operation that changes the mask.
+        self.exact_form: ExactForm | None = None
 
     @classmethod
     def _trusted(cls, kv_num_blocks, kv_indices, kv_partial, partial_masks, seq_lengths, block_size) -> BlockSparseMask:
@@ -184,7 +205,7 @@ class BlockSparseMask:
             validate=False,
         )
         moved._order = None if self._order is None else self._order.to(device)
-        moved._route = self._route
+        moved.exact_form = self.exact_form
         return moved
 
     def _tensors(self):

@@ -218,10 +218,11 @@ def block_sparse_attention(
     if m.device != query.device:  # checked here for every route, not only by the block kernel
         raise RuntimeError(f"mask must be on the same device as query ({query.device}), got {m.device}")
     scale = _check_scale(scale)
-    # Masks that are exactly a pattern with a faster exact form run as that (masks.py, _route);
+    # Masks that are exactly a pattern with a faster exact form run as that (masks.ExactForm);
     # value's shape is left for the kernels to check otherwise.
-    if m._route is not None and value.dim() == 4 and value.shape[-2] == key.shape[-2]:
-        out, lse = _run_route(query, key, value, m._route, scale)
+    if m.exact_form is not None and value.dim() == 4 and value.shape[-2] == key.shape[-2]:
+        f = m.exact_form
+        out, lse = _run_route(query, key, value, (f.kind, f.a, f.b), scale)
     else:
         out, lse = _run_block_sparse(query, key, value, m, scale)
     return _result(out, lse, None, return_lse)

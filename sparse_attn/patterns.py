@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .masks import _FULL, _NONE, BlockSparseMask, _check_block_size, _pair, pack_bits
+from .masks import _FULL, _NONE, BlockSparseMask, ExactForm, _check_block_size, _pair, pack_bits
 
 __all__ = [
     "causal",
@@ -754,7 +754,7 @@ def causal(
         mask = _band((lq, lk), block_size, device, lo=-(lk - lq), hi=_BIG)
     else:
         mask = _band_mask(lq, lk, bs, _device(device), ("interval", -(lk - lq), None), compact=compact)
-    mask._route = ("causal", lq, lk)
+    mask.exact_form = ExactForm("causal", lq, lk)
     return mask
 
 
@@ -773,7 +773,7 @@ def sliding_window(
         mask = _band((seq_len, seq_len), block_size, device, lo=lo, hi=window - 1)
     else:
         mask = _band_mask(seq_len, seq_len, bs, _device(device), ("interval", lo, window - 1))
-    mask._route = ("window", window - 1, -lo)  # i - j in [lo, window - 1]: flash's (left, right)
+    mask.exact_form = ExactForm("window", window - 1, -lo)  # i - j in [lo, window - 1]: flash's (left, right)
     return mask
 
 
@@ -796,7 +796,9 @@ def dilated(
         mask = _band_mask(seq_len, seq_len, bs, _device(device), ("dilated", window, dilation))
     # The route of the docstring (every block of the band is partial in the block kernel); with
     # dilation 1 the mask is a sliding window.
-    mask._route = ("dilated", window, dilation) if dilation > 1 else ("window", window - 1, window - 1)
+    mask.exact_form = (
+        ExactForm("dilated", window, dilation) if dilation > 1 else ExactForm("window", window - 1, window - 1)
+    )
     return mask
 
 
@@ -851,7 +853,7 @@ def dilated_2d(
 
         mask = _build((seq_len, seq_len), block_size, device, cand, key, allowed)
     if dilation > 1:  # with dilation 1 every position attends: the block kernel runs the mask
-        mask._route = ("dilated_2d", segment, dilation)
+        mask.exact_form = ExactForm("dilated_2d", segment, dilation)
     return mask
 
 
