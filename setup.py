@@ -64,7 +64,9 @@ def _extensions():
     include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc", "api")]
     cxx = ["-O3", "-std=c++20", "-fopenmp", "-DNDEBUG"]
     sources = sorted(
-        glob.glob("csrc/api/*.cpp", root_dir=ROOT) + glob.glob("csrc/cpu/*.cpp", root_dir=ROOT)
+        glob.glob("csrc/api/*.cpp", root_dir=ROOT)
+        + glob.glob("csrc/cpu/*.cpp", root_dir=ROOT)
+        + glob.glob("csrc/plan/*.cpp", root_dir=ROOT)
     )
     if not _cuda_wanted(torch, CUDA_HOME):
         sources = [s for s in sources if not s.endswith("_cuda.cpp")]

@@ -28,8 +28,9 @@ from functools import partial
 import torch
 
 import sparse_attn
+from sparse_attn._routes import block_kernel as _run_block_sparse
+from sparse_attn._routes import block_topk_mask as _block_topk_mask
 from sparse_attn.bench import peak_extra_bytes, run_sdpa, sdpa_backends, time_ms
-from sparse_attn.ops import _block_topk_mask, _run_block_sparse
 
 
 def kernel_ms(fn, names: dict[str, str]) -> dict[str, float]:

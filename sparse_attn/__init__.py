@@ -16,17 +16,20 @@ from . import (
     patterns,
     reference,
 )
-from .masks import BlockSparseMask
+from ._plan import explain
+from .masks import BlockSparseMask, ExactForm
 from .ops import block_sparse_attention, dense_attention, flash_attention, topk_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockSparseMask",
+    "ExactForm",
     "analysis",
     "block_sparse_attention",
     "cuda_kernels_available",
     "dense_attention",
+    "explain",
     "flash_attention",
     "patterns",
     "reference",

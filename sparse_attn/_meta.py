@@ -48,6 +48,11 @@ def _gather_fwd(query, key, value, indices, scale=None):
     return _outputs(query, value)
 
 
+@torch.library.register_fake("sparse_attn::_check_inputs")
+def _check_inputs(query, key, value):
+    return None
+
+
 @torch.library.register_fake("sparse_attn::topk_select")
 def _topk_select(query, key, k, causal=False):
     torch._check(k > 0, lambda: f"k must be positive, got {k}")

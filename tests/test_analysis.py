@@ -262,7 +262,7 @@ def test_evaluate_topk_reports_its_selection(causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lq,lk", [(200, 200), (150, 230)])
 def test_evaluate_block_topk_selection_is_what_the_op_computed(lq, lk, causal):
-    from sparse_attn.ops import _block_topk_mask
+    from sparse_attn._routes import block_topk_mask as _block_topk_mask
 
     q, k, v = qk((1, 2, 1, lq, lk, 32), seed=21)
     out, blocks = sparse_attn.topk_attention(q, k, v, 2, block_size=64, causal=causal, return_indices=True)

@@ -401,17 +401,22 @@ def test_random_mask_fuzz_longer(seed, device):
 
 
 def _spy(monkeypatch, name, record):
-    """Calls that block_sparse_attention makes of ops.<name>, each as record(its arguments)."""
-    from sparse_attn import ops
+    """Calls that block_sparse_attention makes of the route runner _routes.<name>, each as
+    record(its arguments): what ran, next to what sparse_attn.explain said would run."""
+    from sparse_attn import _routes
 
-    calls, real = [], getattr(ops, name)
-    monkeypatch.setattr(ops, name, lambda *args: calls.append(record(args)) or real(*args))
+    calls, real = [], getattr(_routes, name)
+    monkeypatch.setattr(_routes, name, lambda *args: calls.append(record(args)) or real(*args))
     return calls
 
 
-def _spy_dilated(monkeypatch, route="_run_dilated"):
-    """Calls of a dilated route of block_sparse_attention (ops._run_dilated: one window per residue
-    class; ops._run_dilated_2d: dense attention per segment), as their (window or segment, dilation)."""
+def _route(q, k, v, mask):
+    return sparse_attn.explain(sparse_attn.block_sparse_attention, q, k, v, mask).route
+
+
+def _spy_dilated(monkeypatch, route="dilated"):
+    """Calls of a dilated route of block_sparse_attention (_routes.dilated: one window per residue
+    class; _routes.dilated_2d: dense attention per segment), as their (window or segment, dilation)."""
     return _spy(monkeypatch, route, lambda args: args[3:5])
 
 
@@ -421,14 +426,14 @@ def _spy_dilated(monkeypatch, route="_run_dilated"):
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dilated_pattern_runs_as_residue_windows(monkeypatch, device, length, window, dilation, hkv, dtype):
-    # patterns.dilated's mask runs as one sliding window per residue class (ops._run_dilated), with
+    # patterns.dilated's mask runs as one sliding window per residue class (_routes.dilated), with
     # the attention of the fp64 reference on the expanded mask: lengths not divisible by the
     # dilation, windows narrower than it or longer than the sequence, GQA, LSE.
     calls = _spy_dilated(monkeypatch)
     q, k, v = make_qkv(2, 4, hkv, length, length, 64, device=device, dtype=dtype, seed=length + dilation)
     mask = patterns.dilated(length, window, dilation, device=device)
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
-    assert calls == [(window, dilation)]
+    assert calls == [(window, dilation)] and _route(q, k, v, mask) == "dilated"
     check_attention(out, lse, q, k, v, mask=mask.to_dense(), name=f"dilated {length} {window} {dilation}")
 
 
@@ -438,13 +443,13 @@ def test_combined_dilated_mask_takes_the_generic_path(monkeypatch, device):
     mask = patterns.dilated(512, 100, 2, device=device) | patterns.global_tokens(512, [0, 300], device=device)
     q, k, v = make_qkv(1, 2, 2, 512, 512, 64, device=device, seed=4)
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
-    assert calls == []
+    assert calls == [] and _route(q, k, v, mask) == "block_kernel"
     check_attention(out, lse, q, k, v, mask=mask.to_dense(), name="dilated | global")
 
 
 def _spy_block_kernel(monkeypatch):
-    """Masks that block_sparse_attention hands to the block-sparse kernel (ops._run_block_sparse)."""
-    return _spy(monkeypatch, "_run_block_sparse", lambda args: args[3])
+    """Masks that block_sparse_attention hands to the block-sparse kernel (_routes.block_kernel)."""
+    return _spy(monkeypatch, "block_kernel", lambda args: args[3])
 
 
 @pytest.mark.parametrize("block_size", [64, 128, (64, 128)])
@@ -464,13 +469,13 @@ def test_causal_pattern_runs_as_flash_causal(monkeypatch, device, dtype, lengths
         ref_out, ref_lse = sparse_attn.flash_attention(q, k, v, causal=True, scale=scale, return_lse=True)
         assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
         check_attention(out, lse, q, k, v, mask=mask.to_dense(), scale=scale, name=f"causal route {lengths}")
-    assert calls == []
+    assert calls == [] and _route(q, k, v, mask) == "flash_causal"
     # The same blocks as a plain mask, or joined with global tokens, take the block kernel.
     plain = block_kernel_mask(mask)
     joined = mask | patterns.global_tokens(lq, [0], block_size=block_size, device=device) if lq == lk else plain
     for other in (plain, joined):
         sparse_attn.block_sparse_attention(q, k, v, other)
-        assert calls.pop() is other
+        assert calls.pop() is other and _route(q, k, v, other) == "block_kernel"
 
 
 @pytest.mark.parametrize("block_size", [64, 128, (128, 64)])
@@ -493,6 +498,8 @@ def test_window_patterns_run_as_flash_window(monkeypatch, device, build, window,
     mask = build(333, block_size).to(device)
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
     assert calls == []
+    plan = sparse_attn.explain(sparse_attn.block_sparse_attention, q, k, v, mask)
+    assert plan.route == "flash_window" and f"window={window}" in plan.why
     ref_out, ref_lse = sparse_attn.flash_attention(q, k, v, window=window, return_lse=True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     check_attention(out, lse, q, k, v, mask=mask.to_dense(), name=f"window route {window}")
@@ -507,11 +514,11 @@ def test_window_patterns_run_as_flash_window(monkeypatch, device, build, window,
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dilated_2d_pattern_runs_as_dense_segments(monkeypatch, device, length, segment, dilation, hkv, dtype):
     # patterns.dilated_2d's mask runs as dense attention over each segment's attending positions
-    # (ops._run_dilated_2d): whole segments batched, a ragged last one, a segment longer than the
+    # (_routes.dilated_2d): whole segments batched, a ragged last one, a segment longer than the
     # sequence, segments not divisible by the dilation, GQA; rows at other positions see no key.
-    calls = _spy_dilated(monkeypatch, "_run_dilated_2d")
+    calls = _spy_dilated(monkeypatch, "dilated_2d")
     q, k, v = make_qkv(2, 4, hkv, length, length, 64, device=device, dtype=dtype, seed=length + segment)
     mask = patterns.dilated_2d(length, segment, dilation, device=device)
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
-    assert calls == [(segment, dilation)]
+    assert calls == [(segment, dilation)] and _route(q, k, v, mask) == "dilated_2d"
     check_attention(out, lse, q, k, v, mask=mask.to_dense(), name=f"dilated_2d {length} {segment} {dilation}")

@@ -1,7 +1,8 @@
 """The Hopper (sm_90a) core against the references and against the portable core, and the
 block-sparse CTA schedule (q_block_order). On a GPU of compute capability 9.0 the public ops run
-the Hopper core by default; SPARSE_ATTN_SM90=0 selects the portable one, and
-SPARSE_ATTN_SM90_PINGPONG forces the consumer ping-pong on or off."""
+the Hopper core by default (sparse_attn.explain names it); the plan overrides
+(sparse_attn._plan.overrides) select the portable core, a tile shape, one CTA per tile or the
+merged tile boundary."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from utils import block_kernel_mask, check_attention, make_qkv
 
 import sparse_attn
 from sparse_attn import patterns
+from sparse_attn._plan import overrides
 
 IS_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 hopper = pytest.mark.skipif(not IS_SM90, reason="needs a compute capability 9.0 GPU")
@@ -19,27 +21,27 @@ SHAPES = [(1, 1), (17, 129), (129, 17), (300, 1000), (1000, 1000), (1100, 3000),
 
 @pytest.mark.cuda
 @hopper
-@pytest.mark.parametrize("pingpong", ["0", "1"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 40, 96])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lq,lk", SHAPES)
-def test_flash_hopper_matches_reference(monkeypatch, pingpong, dtype, d, causal, lq, lk):
-    monkeypatch.setenv("SPARSE_ATTN_SM90_PINGPONG", pingpong)
+def test_flash_hopper_matches_reference(dtype, d, causal, lq, lk):
     q, k, v = make_qkv(2, 4, 2, lq, lk, d, dtype=dtype, device="cuda", seed=lq + lk + d)
+    assert sparse_attn.explain(sparse_attn.flash_attention, q, k, v, causal=causal).launches[0].core == "hopper"
     out, lse = sparse_attn.flash_attention(q, k, v, causal=causal, return_lse=True)
-    check_attention(out, lse, q, k, v, causal=causal, name=f"hopper pingpong={pingpong}")
+    check_attention(out, lse, q, k, v, causal=causal, name="hopper")
 
 
 @pytest.mark.cuda
 @hopper
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("window", [None, (100, 0), (300, 40)])
-def test_flash_hopper_agrees_with_portable(monkeypatch, layout, window):
+def test_flash_hopper_agrees_with_portable(layout, window):
     q, k, v = make_qkv(2, 8, 2, 1500, 2100, 128, device="cuda", layout=layout)
     ours = sparse_attn.flash_attention(q, k, v, window=window)
-    monkeypatch.setenv("SPARSE_ATTN_SM90", "0")
-    portable = sparse_attn.flash_attention(q, k, v, window=window)
+    with overrides(portable_only=True):
+        assert sparse_attn.explain(sparse_attn.flash_attention, q, k, v, window=window).launches[0].core == "portable"
+        portable = sparse_attn.flash_attention(q, k, v, window=window)
     # Both are within the reference tolerance (checked elsewhere); here they must also agree with
     # each other to bf16 rounding of the output.
     torch.testing.assert_close(ours.float(), portable.float(), atol=2e-2, rtol=2e-2)
@@ -49,15 +51,14 @@ def test_flash_hopper_agrees_with_portable(monkeypatch, layout, window):
 @hopper
 @pytest.mark.parametrize("core", ["hopper", "portable"])
 @pytest.mark.parametrize("d,hkv,lk", [(128, 4, 12000), (128, 2, 18000), (64, 4, 24000)])
-def test_causal_order_in_l2_groups_covers_every_tile(monkeypatch, core, d, hkv, lk):
+def test_causal_order_in_l2_groups_covers_every_tile(core, d, hkv, lk):
     # Causal tiles run heaviest first within groups of (batch, head)s whose K/V fit in 32 MiB
     # of L2 (tile_of_cta). These shapes (K/V 6-9 MB per head) give groups of 5 of 8 heads
     # (crossing the batch boundary; GQA 2: 6 of 8) and a shorter last group; a tile that the
     # order skipped or repeated would leave rows unwritten.
-    if core == "portable":
-        monkeypatch.setenv("SPARSE_ATTN_SM90", "0")
     q, k, v = make_qkv(2, 4, hkv, 640, lk, d, device="cuda", seed=lk + d)
-    out, lse = sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
+    with overrides(portable_only=core == "portable"):
+        out, lse = sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
     check_attention(out, lse, q, k, v, causal=True, name=f"causal L2 groups {core}")
 
 
@@ -100,15 +101,13 @@ def test_hopper_deterministic_and_nan_skipped():
 @pytest.mark.cuda
 @hopper
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("pingpong", ["0", "1"])
 @pytest.mark.parametrize("case", ["full", "causal", "window", "random_empty_rows", "longformer", "random_per_head"])
-def test_hopper_persistent_schedule(monkeypatch, d, pingpong, case):
+def test_hopper_persistent_schedule(d, case):
     # Several query tiles per persistent CTA (12 heads x 33 tiles > 132 SMs): static round-robin
     # (full) or the dynamic counter (the rest), with tiles that have no key block in between.
     # Every tile is computed by one CTA with the same arithmetic whichever CTA takes it, so the
-    # result must equal one CTA per tile (SPARSE_ATTN_SM90_SCHED=grid) bit for bit, and the
+    # result must equal one CTA per tile (the per_tile_grid override) bit for bit, and the
     # reference within tolerance (a skipped or doubled tile would leave uninitialised rows).
-    monkeypatch.setenv("SPARSE_ATTN_SM90_PINGPONG", pingpong)
     L = 4224
     q, k, v = make_qkv(1, 12, 4, L, L, d, device="cuda", seed=d + len(case))
     mask = {
@@ -119,18 +118,24 @@ def test_hopper_persistent_schedule(monkeypatch, d, pingpong, case):
     causal = case == "causal"
     window = (700, 50) if case == "window" else None
 
-    def run():
+    def args():
         if mask is None:
-            return sparse_attn.flash_attention(q, k, v, causal=causal, window=window, return_lse=True)
-        return sparse_attn.block_sparse_attention(q, k, v, mask(), return_lse=True)
+            return sparse_attn.flash_attention, (q, k, v), {"causal": causal, "window": window}
+        return sparse_attn.block_sparse_attention, (q, k, v, mask()), {}
 
+    def run():
+        op, a, kw = args()
+        return op(*a, **kw, return_lse=True)
+
+    op, a, kw = args()
+    want = "round_robin" if case == "full" else "dynamic"
+    assert sparse_attn.explain(op, *a, **kw).launches[0].schedule == want
     out, lse = run()
-    monkeypatch.setenv("SPARSE_ATTN_SM90_SCHED", "grid")
-    out_grid, lse_grid = run()
+    with overrides(per_tile_grid=True):
+        assert sparse_attn.explain(op, *a, **kw).launches[0].schedule == "per_tile"
+        out_grid, lse_grid = run()
     torch.testing.assert_close(out, out_grid, rtol=0, atol=0)
     torch.testing.assert_close(lse, lse_grid, rtol=0, atol=0)
-    if pingpong == "0":
-        return  # the reference once per case is enough (it is the slow part)
     if case == "window":  # key j visible from query i iff i - 700 <= j <= i + 50
         dense = torch.ones(L, L, dtype=torch.bool, device="cuda").tril(50).triu(-700)
     else:
@@ -140,24 +145,25 @@ def test_hopper_persistent_schedule(monkeypatch, d, pingpong, case):
 
 @pytest.mark.cuda
 @hopper
-@pytest.mark.parametrize("rows,keys", [("128", "128"), ("128", "192"), ("192", "128")])
+@pytest.mark.parametrize("tile", [(128, 128), (128, 192), (192, 128)])
 @pytest.mark.parametrize("window", [None, "causal", (300, 40)])
 @pytest.mark.parametrize("lq,lk", [(17, 129), (1000, 1000), (2100, 1500)])
-def test_flash_hopper_d64_tile_rows(monkeypatch, rows, keys, window, lq, lk):
+def test_flash_hopper_d64_tiles(tile, window, lq, lk):
     # Head dim 64 runs 128- or 192-row tiles depending on how they fill the SMs, and the 128-row
     # kernel 128- or 192-key tiles (ragged last tiles at every length here); all are exact.
-    monkeypatch.setenv("SPARSE_ATTN_SM90_D64_ROWS", rows)
-    monkeypatch.setenv("SPARSE_ATTN_SM90_D64_BLOCKN", keys)
     q, k, v = make_qkv(2, 8, 2, lq, lk, 64, device="cuda", seed=lq)
     causal = window == "causal"
     w = window if isinstance(window, tuple) else None
-    out, lse = sparse_attn.flash_attention(q, k, v, causal=causal, window=w, return_lse=True)
+    with overrides(tile=tile):
+        plan = sparse_attn.explain(sparse_attn.flash_attention, q, k, v, causal=causal, window=w)
+        assert plan.launches[0].tile == tile
+        out, lse = sparse_attn.flash_attention(q, k, v, causal=causal, window=w, return_lse=True)
     if w is None:
-        check_attention(out, lse, q, k, v, causal=causal, name=f"d64 rows={rows} keys={keys}")
+        check_attention(out, lse, q, k, v, causal=causal, name=f"d64 tile={tile}")
     else:  # key j visible from query i iff i + (lk - lq) - 300 <= j <= i + (lk - lq) + 40
         off = lk - lq
         dense = torch.ones(lq, lk, dtype=torch.bool, device="cuda").tril(off + 40).triu(off - 300)
-        check_attention(out, lse, q, k, v, mask=dense, name=f"d64 rows={rows} keys={keys} window")
+        check_attention(out, lse, q, k, v, mask=dense, name=f"d64 tile={tile} window")
 
 
 @pytest.mark.cuda
@@ -183,16 +189,13 @@ def test_hopper_softmax_fast_and_guarded_paths(d, causal, scale):
 @pytest.mark.cuda
 @hopper
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("lazy", ["1", "0"])
-def test_hopper_lazy_rescale_keeps_and_moves_the_running_max(monkeypatch, d, lazy):
+def test_hopper_lazy_rescale_keeps_and_moves_the_running_max(d):
     # Head dim 128 keeps each row's running max until a tile's max exceeds it by more than 8
     # (log2 units) and skips O's rescale in tiles where no row of the warp moved it. Rows 5, 6 and
     # 900 meet planted keys whose log2 scores rise by 7.6 (kept: terms up to 2^7.6) and by 16.1
     # (moved) in the order the tiles are visited (last key tile first for dense attention, first
-    # first for a block-sparse list); every other row is ordinary. Compared with the fp64 reference,
-    # with the lazy rescale on and off (SPARSE_ATTN_SM90_LAZY_RESCALE); head dim 64 rescales eagerly
-    # either way and runs the same planted rows through its folded softmax.
-    monkeypatch.setenv("SPARSE_ATTN_SM90_LAZY_RESCALE", lazy)
+    # first for a block-sparse list); every other row is ordinary. Compared with the fp64 reference;
+    # head dim 64 rescales eagerly and runs the same planted rows through its folded softmax.
     L = 1024
     q, k, v = make_qkv(1, 2, 2, L, L, d, device="cuda", seed=7)
     u = torch.zeros(d, device="cuda", dtype=q.dtype)
@@ -204,12 +207,12 @@ def test_hopper_lazy_rescale_keeps_and_moves_the_running_max(monkeypatch, d, laz
     for key, log2_score in ((1000, 2.0), (700, 9.6), (450, 25.7), (200, 33.3)):
         k[:, :, key] = (u * (log2_score / per_log2)).to(k.dtype)
     out, lse = sparse_attn.flash_attention(q, k, v, return_lse=True)
-    check_attention(out, lse, q, k, v, name=f"lazy={lazy} d={d} flash")
+    check_attention(out, lse, q, k, v, name=f"lazy rescale d={d} flash")
     mask = sparse_attn.BlockSparseMask.from_block_matrix(
         torch.ones(8, 8, dtype=torch.bool, device="cuda"), seq_lengths=(L, L)
     )
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
-    check_attention(out, lse, q, k, v, name=f"lazy={lazy} d={d} block-sparse")
+    check_attention(out, lse, q, k, v, name=f"lazy rescale d={d} block-sparse")
 
 
 @pytest.mark.cuda
@@ -223,16 +226,15 @@ def test_hopper_lazy_rescale_keeps_and_moves_the_running_max(monkeypatch, d, laz
     ]
     + [(64, "192", "causal")],  # 192-row tiles serve the dense family only
 )
-def test_hopper_merged_tile_boundary_changes_no_bit(monkeypatch, d, rows, case):
-    # A tile's last P V goes in the same turn as the next tile's first Q K^T
-    # (SPARSE_ATTN_SM90_MERGE_BOUNDARY=1, the default for block-sparse masks and bands of at most
-    # 1024 keys per row), or in a turn of its own (=0, the default for the rest of the dense
-    # family): the same GEMMs on the same operands, so bit for bit the same output, across tiles
-    # with no key block (pending P V retired alone) and tiles of a single key block (the merged
-    # turn is also the tile's last); the default equals both. The three-consumer kernel (head dim
-    # 64, 192-row tiles) never merges: its case checks that the switch leaves it alone.
-    if rows is not None:
-        monkeypatch.setenv("SPARSE_ATTN_SM90_D64_ROWS", rows)
+def test_hopper_merged_tile_boundary_changes_no_bit(d, rows, case):
+    # A tile's last P V goes in the same turn as the next tile's first Q K^T (merge_boundary on,
+    # the plan's choice for block-sparse masks and bands of at most 1024 keys per row), or in a
+    # turn of its own (off, its choice for the rest of the dense family): the same GEMMs on the
+    # same operands, so bit for bit the same output, across tiles with no key block (pending P V
+    # retired alone) and tiles of a single key block (the merged turn is also the tile's last);
+    # the default equals both. The three-consumer kernel (head dim 64, 192-row tiles) never
+    # merges: its case checks that the override leaves it alone.
+    tile = {None: None, "128": (128, 128), "192": (192, 128)}[rows]
     L = 4224  # 33 query tiles x 12 heads: several tiles per persistent CTA
     q, k, v = make_qkv(1, 12, 4, L, L, d, device="cuda", seed=d + len(case))
     nb = L // 128
@@ -251,19 +253,23 @@ def test_hopper_merged_tile_boundary_changes_no_bit(monkeypatch, d, rows, case):
         i, j = torch.arange(L, device="cuda")[:, None], torch.arange(L, device="cuda")[None, :]
         dense_mask = (i - j <= window[0]) & (j - i <= window[1])
 
-    def run():
+    def args():
         if window is not None:
-            return sparse_attn.flash_attention(q, k, v, window=window, return_lse=True)
+            return sparse_attn.flash_attention, (q, k, v), {"window": window}
         if mask is None:
-            return sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
-        return sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
+            return sparse_attn.flash_attention, (q, k, v), {"causal": True}
+        return sparse_attn.block_sparse_attention, (q, k, v, mask), {}
 
-    monkeypatch.delenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY", raising=False)
-    out_default, lse_default = run()
-    monkeypatch.setenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY", "1")
-    out, lse = run()
-    monkeypatch.setenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY", "0")
-    out_apart, lse_apart = run()
+    def run(merge):
+        op, a, kw = args()
+        with overrides(tile=tile, merge_boundary=merge):
+            planned = sparse_attn.explain(op, *a, **kw).launches[0].options["merge_boundary"]
+            assert planned == (0 if rows == "192" else {None: planned, True: 1, False: 0}[merge])
+            return op(*a, **kw, return_lse=True)
+
+    out_default, lse_default = run(None)
+    out, lse = run(True)
+    out_apart, lse_apart = run(False)
     for o, x in ((out_apart, lse_apart), (out_default, lse_default)):
         torch.testing.assert_close(out, o, rtol=0, atol=0)
         torch.testing.assert_close(lse, x, rtol=0, atol=0)

@@ -382,7 +382,7 @@ def _builders(length):
 def test_builders_attach_the_attention_schedule(name):
     """Builders hand the mask the CTA schedule from their host plan; it must be the one the
     attention would compute from the mask's own tables."""
-    from sparse_attn.ops import _schedule
+    from sparse_attn._routes import schedule as _schedule
 
     mask = _builders(8192)[name]("cpu")
     assert mask._order is not None

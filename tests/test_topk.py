@@ -12,6 +12,7 @@ from utils import check_attention, check_close, make_qkv
 
 import sparse_attn
 from sparse_attn import BlockSparseMask, patterns, reference
+from sparse_attn._plan import overrides
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -303,10 +304,9 @@ def test_gather_with_index_sets_shared_across_heads(dtype, shape, k_sel, device)
 @pytest.mark.parametrize("indexer", [False, True])
 @pytest.mark.parametrize("workspace", [2 * 64 * 200 * 4, 10_000], ids=["two_tiles", "row_chunks"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_selection_over_a_small_workspace_in_chunks(causal, workspace, indexer, monkeypatch):
+def test_selection_over_a_small_workspace_in_chunks(causal, workspace, indexer):
     """The score workspace is cut to two 64-row tiles (tensor-core scoring, 9 chunks) or to a few
     rows (CUDA-core scoring): the selection must not change."""
-    monkeypatch.setenv("SPARSE_ATTN_TOPK_WORKSPACE_BYTES", str(workspace))
     b, h, hkv, lq, lk, d = 2, 3, 1, 150, 200, 64
     q = small_ints((b, h, lq, d), 51, torch.bfloat16, "cuda")
     k = small_ints((b, hkv, lk, d), 52, torch.bfloat16, "cuda")
@@ -318,7 +318,12 @@ def test_selection_over_a_small_workspace_in_chunks(causal, workspace, indexer, 
             "index_key": small_ints((b, lk, 64), 55, torch.bfloat16, "cuda"),
             "index_weights": small_ints((b, lq, 3), 56, torch.bfloat16, "cuda"),
         }
-    _, idx = sparse_attn.topk_attention(q, k, v, 33, causal=causal, return_indices=True, **extra)
+    with overrides(select_workspace_bytes=workspace):
+        plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 33, causal=causal, **extra)
+        _, idx = sparse_attn.topk_attention(q, k, v, 33, causal=causal, return_indices=True, **extra)
+    select = plan.launches[0]
+    assert select.options["chunks"] > 1 and select.options["workspace_bytes"] <= workspace
+    assert select.core == ("portable" if workspace == 2 * 64 * 200 * 4 else "cuda_cores")
     if indexer:
         scores = reference.indexer_scores(*(t.cpu() for t in extra.values())).unsqueeze(1)
     else:

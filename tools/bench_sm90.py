@@ -1,13 +1,13 @@
-"""Hopper core A/B timing in one process: ours with the Hopper core (ping-pong on and off) and
-with the portable core, against SDPA cuDNN, SDPA FlashAttention-2 and compiled FlexAttention, same
-inputs, same run: every variant and reference is timed once per round (--rounds), and the ratios are
-medians of the per-round ratios (the clock drifts by several per cent over a run).
+"""Hopper core A/B timing in one process: ours with the Hopper core as planned, with plan
+overrides (tile shapes, one CTA per tile) and with the portable core, against SDPA cuDNN, SDPA
+FlashAttention-2 and compiled FlexAttention, same inputs, same run: every variant and reference
+is timed once per round (--rounds), and the ratios are medians of the per-round ratios (the clock
+drifts by several per cent over a run).
 
     python tools/bench_sm90.py --lengths 4096 16384 --head-dims 128 64
 """
 
 import argparse
-import os
 import statistics
 
 import torch
@@ -15,21 +15,16 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sparse_attn
+from sparse_attn._plan import overrides
 from sparse_attn.bench import flex_fn, ratio_median, time_rounds
 
 
-def with_env(fn, **env):
+def with_options(fn, **options):
+    """fn run with these plan overrides in force (sparse_attn._plan.overrides)."""
+
     def run():
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with overrides(**options):
             return fn()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     return run
 
@@ -40,7 +35,7 @@ def main():
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--variants", nargs="+", default=["hopper", "no-pingpong", "portable"])
+    ap.add_argument("--variants", nargs="+", default=["hopper", "portable"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--rounds", type=int, default=3, help="rounds in which every variant and reference is timed once")
     args = ap.parse_args()
@@ -65,22 +60,18 @@ def run_case(args, dtype, d, causal, L, flex, dev):
     q, k, v = (torch.randn(args.batch, args.heads, L, d, device=dev, dtype=dtype) for _ in range(3))
     pairs = args.batch * args.heads * L * (L + 1) / 2 if causal else args.batch * args.heads * L * L
     tf = lambda ms: 4 * pairs * d / ms / 1e9  # noqa: E731
-    # Each variant: our flash_attention with these environment switches set while it runs.
-    switches = {
+    # Each variant: our flash_attention with these plan overrides in force while it runs.
+    variants = {
         "hopper": {},
-        "no-pingpong": {"SPARSE_ATTN_SM90_PINGPONG": "0"},
-        "portable": {"SPARSE_ATTN_SM90": "0"},
-        "pingpong": {"SPARSE_ATTN_SM90_PINGPONG": "1"},
-        "d64-rows128": {"SPARSE_ATTN_SM90_D64_ROWS": "128"},
-        "d64-rows192": {"SPARSE_ATTN_SM90_D64_ROWS": "192"},
-        "d64-keys128": {"SPARSE_ATTN_SM90_D64_BLOCKN": "128"},
-        "d64-keys192": {"SPARSE_ATTN_SM90_D64_BLOCKN": "192"},
-        "no-lazy-rescale": {"SPARSE_ATTN_SM90_LAZY_RESCALE": "0"},
-        "per-tile-grid": {"SPARSE_ATTN_SM90_SCHED": "grid"},
+        "portable": {"portable_only": True},
+        "d64-rows128": {"tile": (128, 128)},
+        "d64-rows192": {"tile": (192, 128)},
+        "d64-keys192": {"tile": (128, 192)},
+        "per-tile-grid": {"per_tile_grid": True},
     }
     ours = {
-        name: with_env(lambda: sparse_attn.flash_attention(q, k, v, causal=causal), **env)
-        for name, env in switches.items()
+        name: with_options(lambda: sparse_attn.flash_attention(q, k, v, causal=causal), **options)
+        for name, options in variants.items()
     }
 
     def cudnn():

@@ -4,13 +4,13 @@
         python tools/sanitize_cases.py [--quick]
 """
 
-import os
 import sys
 
 import torch
 
 import sparse_attn
 from sparse_attn import patterns
+from sparse_attn._plan import overrides
 
 torch.manual_seed(0)
 dev = "cuda"
@@ -48,15 +48,12 @@ for d in (64, 128):
     for causal in (False, True):
         sparse_attn.flash_attention(q, k, v, causal=causal)
     sparse_attn.block_sparse_attention(q, k, v, patterns.random_blocks(600, 0.3, seed=1, heads=48, device=dev))
-    if d == 64:  # small shapes take 128-row tiles at head dim 64; the 192-row kernel too
-        os.environ["SPARSE_ATTN_SM90_D64_ROWS"] = "192"
-        for causal in (False, True):
-            sparse_attn.flash_attention(q, k, v, causal=causal)
-        del os.environ["SPARSE_ATTN_SM90_D64_ROWS"]
-        os.environ["SPARSE_ATTN_SM90_D64_BLOCKN"] = "192"  # 128-row tiles, 192-key tiles, a ragged last one
-        for causal in (False, True):
-            sparse_attn.flash_attention(q, k, v, causal=causal)
-        del os.environ["SPARSE_ATTN_SM90_D64_BLOCKN"]
+    if d == 64:  # small shapes take 128-row tiles at head dim 64; the 192-row kernel too, and
+        # 128-row tiles of 192 keys (a ragged last one)
+        for tile in ((192, 128), (128, 192)):
+            with overrides(tile=tile):
+                for causal in (False, True):
+                    sparse_attn.flash_attention(q, k, v, causal=causal)
 iq = torch.randn(2, 100, 4, 64, device=dev, dtype=torch.bfloat16)
 ik = torch.randn(2, 100, 64, device=dev, dtype=torch.bfloat16)
 iw = torch.randn(2, 100, 4, device=dev, dtype=torch.bfloat16)

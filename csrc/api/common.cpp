@@ -3,20 +3,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <sstream>
 
 namespace sparse_attn {
 namespace {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-
-ScalarKind scalar_kind(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return ScalarKind::kFloat32;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    case at::kHalf: return ScalarKind::kFloat16;
-    default: TORCH_CHECK(false, "unsupported dtype ", t, "; supported: float32, bfloat16, float16");
-  }
-}
 
 bool is_supported_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
@@ -37,6 +29,28 @@ void check_int32(const at::Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+ScalarKind scalar_kind(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ScalarKind::kFloat32;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    case at::kHalf: return ScalarKind::kFloat16;
+    default: TORCH_CHECK(false, "unsupported dtype ", t, "; supported: float32, bfloat16, float16");
+  }
+}
+
+void check_tensor_core_head_dims(const QkvShape& s) {
+  TORCH_CHECK(s.dv == s.d, "on CUDA the value head dimension must equal the query head dimension, got D=", s.d,
+              " and Dv=", s.dv);
+}
+
+at::Tensor aligned_copy(const at::Tensor& t, bool data) {
+  const int64_t elems = 16 / t.element_size();
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t i = 0; ok && i + 1 < t.dim(); ++i) ok = t.size(i) <= 1 || t.stride(i) % elems == 0;
+  if (ok) return t;
+  return data ? t.clone(at::MemoryFormat::Contiguous) : at::empty(t.sizes(), t.options());
+}
 
 QkvShape check_qkv(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
   TORCH_CHECK(query.dim() == 4, "query must be 4-D (B, H, Lq, D), got ", query.dim(), "-D");
@@ -359,6 +373,146 @@ at::Tensor set_params_indexer(TopkSelectParams& params, const at::Tensor& index_
   params.indexer = true;
   params.dtype = scalar_kind(index_query.scalar_type());
   return out;
+}
+
+// ---------------------------------------------------------------------------------------- plans
+
+namespace {
+
+std::string describe(const FlashPlan& plan) {
+  std::ostringstream out;
+  out << "core=" << core_name(plan.core) << "\ntile=" << plan.tile.block_m << "x" << plan.tile.block_n
+      << "\nwarps=" << plan.tile.warps << "\nschedule=" << schedule_name(plan.schedule);
+  if (plan.core == Core::kHopper) out << "\nmerge_boundary=" << int(plan.merge_boundary);
+  out << "\nwhy_core=" << plan.why_core << "\nwhy_tile=" << plan.why_tile << "\nwhy_schedule=" << plan.why_schedule;
+  return out.str();
+}
+
+std::string nothing_to_compute() {
+  return "core=none\nwhy_core=nothing to compute (no batch, head or query, or no key: output 0, LSE -inf); no "
+         "kernel runs";
+}
+
+// The params the op would fill, on the layout it would run on (CUDA: aligned for the tensor cores).
+struct PlannedInputs {
+  QkvShape s;
+  AttnFwdParams params;
+  at::Tensor out, lse, q, k, v;
+};
+
+PlannedInputs plan_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const DeviceInfo& device, bool aligned) {
+  PlannedInputs in{check_qkv(query, key, value), {}, {}, {}, query, key, value};
+  if (device.cc > 0 && aligned) {
+    check_tensor_core_head_dims(in.s);
+    in.q = aligned_copy(query, false);
+    in.k = aligned_copy(key, false);
+    in.v = aligned_copy(value, false);
+  }
+  std::tie(in.out, in.lse) = alloc_outputs(query, in.s);
+  in.params = set_params_fwd(in.q, in.k, in.v, in.out, in.lse, in.s, 1.0);
+  return in;
+}
+
+bool is_trivial(const QkvShape& s) { return s.b == 0 || s.h == 0 || s.lq == 0 || s.lk == 0; }
+
+}  // namespace
+
+namespace {
+
+CudaDeviceLookup cuda_device_lookup = nullptr;
+
+DeviceInfo planned_device(const at::Tensor& like, int64_t target_cc, int64_t target_sms) {
+  if (target_cc > 0) {
+    DeviceInfo device;
+    device.cc = int(target_cc);
+    device.sms = int(target_sms);
+    device.sm90_kernels = true;
+    device.tma = true;
+    return device;
+  }
+  if (!like.is_cuda()) return DeviceInfo{};
+  TORCH_CHECK(cuda_device_lookup != nullptr, "this build of sparse_attn has no CUDA kernels");
+  return cuda_device_lookup(like);
+}
+
+}  // namespace
+
+void set_cuda_device_lookup(CudaDeviceLookup lookup) { cuda_device_lookup = lookup; }
+
+std::string explain_flash(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool causal,
+                          int64_t window_left, int64_t window_right, int64_t target_cc, int64_t target_sms) {
+  const DeviceInfo device = planned_device(query, target_cc, target_sms);
+  const bool aligned = flash_needs_aligned_inputs(scalar_kind(query.scalar_type()));
+  PlannedInputs in = plan_inputs(query, key, value, device, aligned);
+  set_params_window(in.params, causal, window_left, window_right);
+  if (is_trivial(in.s)) return nothing_to_compute();
+  return describe(plan_flash(in.params, Variant::kWindow, device, plan_options()));
+}
+
+std::string explain_block_sparse(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 int64_t q_block, int64_t kv_block, int64_t target_cc, int64_t target_sms) {
+  TORCH_CHECK(q_block == 64 || q_block == 128, "q_block must be 64 or 128, got ", q_block);
+  TORCH_CHECK(kv_block == 64 || kv_block == 128, "kv_block must be 64 or 128, got ", kv_block);
+  const DeviceInfo device = planned_device(query, target_cc, target_sms);
+  const bool aligned = flash_needs_aligned_inputs(scalar_kind(query.scalar_type()));
+  PlannedInputs in = plan_inputs(query, key, value, device, aligned);
+  in.params.q_block = int(q_block);
+  in.params.kv_block = int(kv_block);
+  if (is_trivial(in.s)) return nothing_to_compute();
+  return describe(plan_flash(in.params, Variant::kBlockSparse, device, plan_options()));
+}
+
+std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           int64_t index_heads, int64_t target_cc, int64_t target_sms) {
+  const QkvShape s = check_qkv(query, key, value);
+  TORCH_CHECK(index_heads >= 1 && s.h % index_heads == 0, "the selection's heads must divide H=", s.h, ", got ",
+              index_heads);
+  const DeviceInfo device = planned_device(query, target_cc, target_sms);
+  const bool aligned = gather_needs_aligned_inputs(scalar_kind(query.scalar_type()), s.d, s.dv);
+  PlannedInputs in = plan_inputs(query, key, value, device, aligned);
+  in.params.h_idx = int(index_heads);
+  in.params.h_per_idx = int(s.h / index_heads);
+  if (is_trivial(in.s)) return nothing_to_compute();
+  const GatherPlan plan = plan_gather(in.params, device);
+  std::ostringstream out;
+  out << "core=" << core_name(plan.core);
+  if (plan.core == Core::kPortable) out << "\nhead_dim=" << plan.head_dim << "\nheads_per_warp=" << plan.group;
+  out << "\nwhy_core=" << plan.why;
+  return out.str();
+}
+
+namespace {
+
+std::string describe_select(const TopkSelectParams& params, const DeviceInfo& device) {
+  std::ostringstream out;
+  if (device.cc == 0) {
+    out << "core=cpu\nwhy_core=CPU tensors: each row scored and selected by one thread (no workspace)";
+    return out.str();
+  }
+  const SelectPlan plan = plan_select(params, device, plan_options());
+  out << "core=" << (plan.tensor_core_scoring ? "portable" : "cuda_cores")
+      << "\nworkspace_bytes=" << plan.workspace_bytes
+      << "\nchunks=" << (plan.units + plan.per_chunk - 1) / std::max<int64_t>(plan.per_chunk, 1)
+      << "\nwhy_core=" << plan.why;
+  return out.str();
+}
+
+}  // namespace
+
+std::string explain_select(const at::Tensor& query, const at::Tensor& key, int64_t k, bool causal,
+                           int64_t target_cc, int64_t target_sms) {
+  TopkSelectParams params;
+  set_params_select(params, query, key, k, causal);
+  return describe_select(params, planned_device(query, target_cc, target_sms));
+}
+
+std::string explain_indexer_select(const at::Tensor& index_query, const at::Tensor& index_key,
+                                   const at::Tensor& index_weights, int64_t k, bool causal, int64_t target_cc,
+                                   int64_t target_sms) {
+  TopkSelectParams params;
+  set_params_indexer(params, index_query, index_key, index_weights, k, causal);
+  return describe_select(params, planned_device(index_query, target_cc, target_sms));
 }
 
 }  // namespace sparse_attn

@@ -5,9 +5,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <string>
 #include <tuple>
 
 #include "sparse_attn/params.h"
+#include "sparse_attn/plan.h"
 
 namespace sparse_attn {
 
@@ -22,8 +24,20 @@ struct QkvShape {
   int64_t b, h, h_kv, lq, lk, d, dv;
 };
 
-// Checks query/key/value against the SDPA layout contract (DESIGN.md section 2).
+// Checks query/key/value against the layout contract: (B, H, Lq, D), (B, Hkv, Lk, D),
+// (B, Hkv, Lk, Dv) on one device, one supported dtype, H a multiple of Hkv, head dims multiples
+// of 8 up to kMaxHeadDim, unit last strides.
 QkvShape check_qkv(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value);
+
+ScalarKind scalar_kind(at::ScalarType t);
+
+// The tensor-core kernels need Dv == D.
+void check_tensor_core_head_dims(const QkvShape& s);
+
+// t itself when its base and strides are 16-byte aligned (what kernels that copy 16-byte chunks
+// need), else a contiguous copy; data = false gives an uninitialised tensor of the copy's layout
+// instead (for a plan, which reads only pointers and strides).
+at::Tensor aligned_copy(const at::Tensor& t, bool data);
 
 // A second tensor argument (mask, indices) must live where the query lives.
 void check_same_device(const at::Tensor& query, const at::Tensor& t, const char* name);
@@ -70,5 +84,27 @@ at::Tensor set_params_select(TopkSelectParams& params, const at::Tensor& query, 
 at::Tensor set_params_indexer(TopkSelectParams& params, const at::Tensor& index_query,
                               const at::Tensor& index_key, const at::Tensor& index_weights, int64_t k,
                               bool causal);
+
+// ---- plans (sparse_attn.explain): "key=value" lines, the format _plan.py reads ----
+
+// Set by the CUDA backend (when built): what the plans need to know of a CUDA tensor's device.
+using CudaDeviceLookup = DeviceInfo (*)(const at::Tensor& like);
+void set_cuda_device_lookup(CudaDeviceLookup lookup);
+
+// The plans flash_fwd / block_sparse_fwd / gather_fwd / topk_select / indexer_select would take
+// for these inputs (their checks included), without running anything: on the inputs' device, or
+// with target_cc > 0 on a GPU of that compute capability with target_sms SMs (a build with its
+// kernels, a driver with TMA). The ops sparse_attn::_plan_* (registration.cpp).
+std::string explain_flash(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool causal,
+                          int64_t window_left, int64_t window_right, int64_t target_cc, int64_t target_sms);
+std::string explain_block_sparse(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 int64_t q_block, int64_t kv_block, int64_t target_cc, int64_t target_sms);
+std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           int64_t index_heads, int64_t target_cc, int64_t target_sms);
+std::string explain_select(const at::Tensor& query, const at::Tensor& key, int64_t k, bool causal,
+                           int64_t target_cc, int64_t target_sms);
+std::string explain_indexer_select(const at::Tensor& index_query, const at::Tensor& index_key,
+                                   const at::Tensor& index_weights, int64_t k, bool causal, int64_t target_cc,
+                                   int64_t target_sms);
 
 }  // namespace sparse_attn

@@ -1,8 +1,14 @@
-// Helpers shared by the CUDA glue files. Needs only the CUDA runtime and c10/cuda headers.
+// Helpers shared by the CUDA glue files: launch checks and what the plans need of a device.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <cuda_runtime_api.h>
+
+#include <array>
+#include <mutex>
+
+#include "sparse_attn/cuda/flash_fwd.h"
+#include "sparse_attn/plan.h"
 
 namespace sparse_attn {
 
@@ -10,15 +16,30 @@ inline void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err));
 }
 
+// What the plans need to know of CUDA device `device` (queried once per device and process).
+inline DeviceInfo cuda_device_info(int device) {
+  static std::array<DeviceInfo, 64> cache;
+  static std::array<std::once_flag, 64> once;
+  TORCH_CHECK(device >= 0 && device < 64, "CUDA device index out of range: ", device);
+  std::call_once(once[device], [&] {
+    int major = 0, minor = 0, sms = 0;
+    check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+    check_launch(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+    check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    DeviceInfo& info = cache[device];
+    info.cc = major * 10 + minor;
+    info.sms = sms;
+    info.sm90_kernels = sm90_kernels_built();
+    info.tma = tma_encoder_available();
+  });
+  return cache[device];
+}
+
 inline void check_cuda(const at::Tensor& query) {
   TORCH_CHECK(query.is_cuda(), "expected CUDA tensors, got ", query.device());
-  int major = 0, minor = 0;
-  check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, query.get_device()),
-               "cudaDeviceGetAttribute");
-  check_launch(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, query.get_device()),
-               "cudaDeviceGetAttribute");
-  TORCH_CHECK(major >= 8, "sparse_attn's CUDA kernels need compute capability 8.0 or newer, got ", major, ".",
-              minor);
+  const int cc = cuda_device_info(query.get_device()).cc;
+  TORCH_CHECK(cc >= 80, "sparse_attn's CUDA kernels need compute capability 8.0 or newer, got ", cc / 10, ".",
+              cc % 10);
 }
 
 }  // namespace sparse_attn

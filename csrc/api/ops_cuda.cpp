@@ -6,25 +6,16 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 
 #include "common.h"
 #include "cuda_common.h"
 #include "sparse_attn/cuda/flash_fwd.h"
+#include "sparse_attn/cuda/gather_fwd.h"
 #include "sparse_attn/cuda/topk.h"
 #include "sparse_attn/static_switch.h"
 
 namespace sparse_attn {
 namespace {
-
-// The tensor-core kernels copy 16-byte chunks: a base pointer or a stride that is not a
-// multiple of 16 bytes gets an aligned copy (any layout from a transformer layer already is).
-at::Tensor aligned(const at::Tensor& t) {
-  const int64_t elems = 16 / t.element_size();
-  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int64_t i = 0; ok && i + 1 < t.dim(); ++i) ok = t.size(i) <= 1 || t.stride(i) % elems == 0;
-  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
-}
 
 void check_grid(const QkvShape& s, int block_m) {
   const int64_t tiles = (s.lq + block_m - 1) / block_m * s.b * s.h;
@@ -36,42 +27,52 @@ struct CudaInputs {
   at::Tensor q, k, v;
 };
 
-CudaInputs prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
+// Checks the inputs and aligns them for the tensor-core kernels (data = false: only the layout
+// an aligned copy would have, for planning without running anything).
+CudaInputs prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool data = true) {
   CudaInputs in{check_qkv(query, key, value), query, key, value};
   check_cuda(query);
-  if (query.scalar_type() != at::kFloat) {
-    TORCH_CHECK(in.s.dv == in.s.d, "on CUDA the value head dimension must equal the query head dimension, got D=",
-                in.s.d, " and Dv=", in.s.dv);
-    in.q = aligned(query);
-    in.k = aligned(key);
-    in.v = aligned(value);
+  if (flash_needs_aligned_inputs(scalar_kind(query.scalar_type()))) {
+    check_tensor_core_head_dims(in.s);
+    in.q = aligned_copy(query, data);
+    in.k = aligned_copy(key, data);
+    in.v = aligned_copy(value, data);
   }
   return in;
 }
 
+// Runs the flash or block-sparse kernel that plan names; decides nothing.
 template <Variant kVariant>
-void launch_flash(const AttnFwdParams& params, const QkvShape& s, const char* what) {
+void launch_flash(const AttnFwdParams& params, const FlashPlan& plan, const QkvShape& s, const char* what) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  cudaError_t err;
-  if (params.dtype == ScalarKind::kFloat32) {
-    check_grid(s, flash_fwd_fp32_tile().block_m);
-    err = run_flash_fwd_fp32_<kVariant == Variant::kWindow ? Variant::kWindow : Variant::kBlockSparse>(params,
-                                                                                                        stream);
-  } else {
-    check_grid(s, flash_fwd_tile(padded_head_dim(params.d), kVariant).block_m);
-    // The Hopper kernel's dynamic tile scheduler counts from zero (a stream-ordered allocation,
-    // freed back to the same stream once the launch is queued).
-    AttnFwdParams p = params;
-    at::Tensor counter;
-    if (flash_sm90_dynamic_schedule(p, kVariant)) {
-      counter = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
-      C10_CUDA_CHECK(cudaMemsetAsync(counter.data_ptr(), 0, sizeof(int32_t), stream));
-      p.tile_counter = counter.data_ptr<int32_t>();
-    }
-    err = SA_HALF_DTYPE_SWITCH(p.dtype, kDtype, [&] {
-      return SA_HEADDIM_SWITCH(padded_head_dim(p.d), kHeadDim,
-                               [&] { return run_flash_fwd_<kDtype, kHeadDim, kVariant>(p, stream); });
-    });
+  check_grid(s, plan.tile.block_m);
+  // The Hopper kernel's dynamic tile scheduler counts from zero (a stream-ordered allocation,
+  // freed back to the same stream once the launch is queued).
+  AttnFwdParams p = params;
+  at::Tensor counter;
+  if (plan.schedule == Schedule::kDynamic) {
+    counter = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
+    C10_CUDA_CHECK(cudaMemsetAsync(counter.data_ptr(), 0, sizeof(int32_t), stream));
+    p.tile_counter = counter.data_ptr<int32_t>();
+  }
+  cudaError_t err = cudaErrorInvalidValue;
+  switch (plan.core) {
+    case Core::kCudaCores: err = run_flash_fwd_fp32_<kVariant>(p, stream); break;
+    case Core::kPortable:
+      err = SA_HALF_DTYPE_SWITCH(p.dtype, kDtype, [&] {
+        return SA_HEADDIM_SWITCH(padded_head_dim(p.d), kHeadDim,
+                                 [&] { return run_flash_fwd_<kDtype, kHeadDim, kVariant>(p, plan, stream); });
+      });
+      break;
+    case Core::kHopper:
+      err = SA_HALF_DTYPE_SWITCH(p.dtype, kDtype, [&] {
+        return SA_HEADDIM_SWITCH(padded_head_dim(p.d), kHeadDim, [&] {
+          if constexpr (kHeadDim <= 128) return run_flash_fwd_sm90_<kDtype, kHeadDim, kVariant>(p, plan, stream);
+          return cudaErrorInvalidValue;
+        });
+      });
+      break;
+    case Core::kCpu: break;
   }
   check_launch(err, what);
 }
@@ -85,7 +86,8 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda(const at::Tensor& query, const
   AttnFwdParams params = set_params_fwd(in.q, in.k, in.v, out, lse, in.s, resolve_scale(scale, in.s.d));
   set_params_window(params, causal, window_left, window_right);
   if (fill_trivial_outputs(in.s, out, lse)) return {out, lse};
-  launch_flash<Variant::kWindow>(params, in.s, "flash_fwd");
+  const FlashPlan plan = plan_flash(params, Variant::kWindow, cuda_device_info(query.get_device()), plan_options());
+  launch_flash<Variant::kWindow>(params, plan, in.s, "flash_fwd");
   return {out, lse};
 }
 
@@ -103,11 +105,9 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda(
                                       q_block, kv_block);
   at::Tensor order = set_params_block_order(params, query, q_block_order);
   if (fill_trivial_outputs(in.s, out, lse)) return {out, lse};
-  if (q_block == 128) {
-    launch_flash<Variant::kBlockSparse>(params, in.s, "block_sparse_fwd");
-  } else {
-    launch_flash<Variant::kBlockSparseM64>(params, in.s, "block_sparse_fwd");
-  }
+  const FlashPlan plan =
+      plan_flash(params, Variant::kBlockSparse, cuda_device_info(query.get_device()), plan_options());
+  launch_flash<Variant::kBlockSparse>(params, plan, in.s, "block_sparse_fwd");
   return {out, lse};
 }
 
@@ -128,74 +128,53 @@ std::tuple<at::Tensor, at::Tensor> gather_fwd_cuda(const at::Tensor& query, cons
   check_cuda(query);
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse] = alloc_outputs(query, s);
-  // The tensor-core gather (16-bit, D = Dv <= 128) copies 16-byte chunks: align its inputs.
-  const bool mma = query.scalar_type() != at::kFloat && s.d == s.dv && s.d <= 128;
-  const at::Tensor q = mma ? aligned(query) : query, k = mma ? aligned(key) : key, v = mma ? aligned(value) : value;
+  // The tensor-core gather copies 16-byte chunks: misaligned inputs it could take are copied.
+  const bool align = gather_needs_aligned_inputs(scalar_kind(query.scalar_type()), s.d, s.dv);
+  const at::Tensor q = align ? aligned_copy(query, true) : query, k = align ? aligned_copy(key, true) : key,
+                   v = align ? aligned_copy(value, true) : value;
   AttnFwdParams params = set_params_fwd(q, k, v, out, lse, s, resolve_scale(scale, s.d));
   set_params_gather(params, query, s, indices);
   if (fill_trivial_outputs(s, out, lse)) return {out, lse};
+  const GatherPlan plan = plan_gather(params, cuda_device_info(query.get_device()));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  check_launch(dtype_dispatch(params.dtype, [&](auto dt) { return run_gather_fwd_<dt.value>(params, stream); }),
-               "gather_fwd");
+  check_launch(
+      dtype_dispatch(params.dtype, [&](auto dt) { return run_gather_fwd_<dt.value>(params, plan, stream); }),
+      "gather_fwd");
   return {out, lse};
 }
 
-// Bytes of the selection's score workspace; SPARSE_ATTN_TOPK_WORKSPACE_BYTES overrides the
-// default (tests shrink it to run the multi-chunk path at small sizes).
-int64_t select_workspace_bytes(const TopkSelectParams& p) {
-  const char* env = std::getenv("SPARSE_ATTN_TOPK_WORKSPACE_BYTES");
-  const int64_t v = env != nullptr ? std::atoll(env) : 0;
-  return v > 0 ? v : topk_select_workspace_bytes(int64_t(p.b) * p.h_sel * p.lq * p.topk * 4);
-}
-
-// Selection runs over bounded chunks of query rows, so its workspace is never B * H * Lq * Lk.
-// Tensor-core scoring fills the workspace a chunk of 64-row tiles at a time, then the select
-// kernel reads it; otherwise the select kernel scores its own row on the CUDA cores.
+// Selection runs over bounded chunks of query rows (plan_select), so its workspace is never
+// B * H * Lq * Lk. Tensor-core scoring fills the workspace a chunk of 64-row tiles at a time,
+// then the select kernel reads it; otherwise the select kernel scores its own row.
 at::Tensor run_select(TopkSelectParams& params, at::Tensor out, const at::Tensor& like) {
   const int64_t rows = int64_t(params.b) * params.h_sel * params.lq;
   if (out.numel() == 0 || rows == 0) return out;
   const c10::cuda::CUDAGuard guard(like.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t budget = select_workspace_bytes(params);
+  const SelectPlan plan = plan_select(params, cuda_device_info(like.get_device()), plan_options());
   auto select = [&](int64_t n) {
     check_launch(
         dtype_dispatch(params.dtype, [&](auto dt) { return run_topk_select_<dt.value>(params, n, stream); }),
         "topk_select");
   };
-  const int64_t stride = (params.lk + 3) / 4 * 4;
-  const int64_t tile_bytes = int64_t(kTopkScoreBlockM) * stride * 4;
-  if (topk_score_eligible(params) && tile_bytes <= budget) {
-    params.prescored = true;
-    params.n_qtiles = int((params.lq + kTopkScoreBlockM - 1) / kTopkScoreBlockM);
-    const int64_t tiles = int64_t(params.b) * params.h_sel * params.n_qtiles;
-    const int64_t per_chunk = std::min(tiles, budget / tile_bytes);
-    at::Tensor scores = at::empty({per_chunk * kTopkScoreBlockM, stride}, like.options().dtype(at::kFloat));
-    params.scores = scores.data_ptr<float>();
-    params.scores_stride = stride;
-    int sms = 0;
-    check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, like.get_device()),
-                 "cudaDeviceGetAttribute");
-    const int64_t key_tiles = (params.lk + kTopkScoreBlockN - 1) / kTopkScoreBlockN;
-    for (int64_t begin = 0; begin < tiles; begin += per_chunk) {
-      const int64_t n = std::min(per_chunk, tiles - begin);
+  at::Tensor scores = at::empty({plan.workspace_bytes / 4}, like.options().dtype(at::kFloat));
+  params.scores = scores.data_ptr<float>();
+  params.scores_stride = plan.scores_stride;
+  params.prescored = plan.tensor_core_scoring;
+  params.n_qtiles = plan.n_qtiles;
+  for (int64_t begin = 0; begin < plan.units; begin += plan.per_chunk) {
+    const int64_t n = std::min(plan.per_chunk, plan.units - begin);
+    if (plan.tensor_core_scoring) {
       params.tile_begin = begin;
-      // About 16 CTAs per SM (4 waves of 4): the causal triangle makes CTAs unequal, and few waves
-      // leave a ragged last one.
-      params.n_splits = int(std::clamp<int64_t>((16 * sms + n - 1) / n, 1, key_tiles));
+      params.n_splits = select_score_splits(plan, n);
       check_launch(SA_HALF_DTYPE_SWITCH(params.dtype, kDtype,
                                         [&] { return run_topk_score_<kDtype>(params, n, stream); }),
                    "topk_score");
       select(n * kTopkScoreBlockM);
+    } else {
+      params.row_begin = begin;
+      select(n);
     }
-    return out;
-  }
-  const int64_t chunk = std::clamp<int64_t>(budget / (stride * 4), 1, rows);
-  at::Tensor scores = at::empty({chunk, stride}, like.options().dtype(at::kFloat));
-  params.scores = scores.data_ptr<float>();
-  params.scores_stride = stride;
-  for (int64_t begin = 0; begin < rows; begin += chunk) {
-    params.row_begin = begin;
-    select(std::min(chunk, rows - begin));
   }
   return out;
 }
@@ -217,6 +196,15 @@ at::Tensor indexer_select_cuda(const at::Tensor& index_query, const at::Tensor& 
               ", DI=", params.di);
   return run_select(params, out, index_query);
 }
+
+// Plans of CUDA inputs (sparse_attn.explain) learn their device from here.
+const bool kCudaPlansRegistered = [] {
+  set_cuda_device_lookup([](const at::Tensor& like) {
+    check_cuda(like);
+    return cuda_device_info(like.get_device());
+  });
+  return true;
+}();
 
 }  // namespace
 

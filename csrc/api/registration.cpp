@@ -1,7 +1,12 @@
 // Op schemas, written once. Each backend registers its kernels in its own file
-// (ops_cpu.cpp, ops_cuda.cpp); Python adds the fake (meta) kernels.
+// (ops_cpu.cpp, ops_cuda.cpp); Python adds the fake (meta) kernels. The _plan_* ops return the
+// plan a call would take, without running it (sparse_attn.explain); _set_plan_options sets the
+// plan overrides of tests and benchmarks.
 #include <Python.h>
 #include <torch/library.h>
+
+#include "common.h"
+#include "sparse_attn/plan.h"
 
 // Importing sparse_attn._C runs the static registrations below; the module itself is empty.
 extern "C" PyObject* PyInit__C(void) {
@@ -27,4 +32,49 @@ TORCH_LIBRARY(sparse_attn, m) {
   m.def(
       "indexer_select(Tensor index_query, Tensor index_key, Tensor index_weights, int k, "
       "bool causal=False) -> Tensor");
+
+  // The checks every attention op makes of query, key and value (check_qkv), for Python code
+  // that reads them before any kernel does.
+  m.def("_check_inputs(Tensor query, Tensor key, Tensor value) -> ()");
+
+  // target_cc > 0: plan for a GPU of that compute capability with target_sms SMs instead of the
+  // inputs' device.
+  m.def(
+      "_plan_flash(Tensor query, Tensor key, Tensor value, bool causal=False, int window_left=-1, "
+      "int window_right=-1, int target_cc=0, int target_sms=0) -> str",
+      &sparse_attn::explain_flash);
+  m.def(
+      "_plan_block_sparse(Tensor query, Tensor key, Tensor value, int q_block, int kv_block, int target_cc=0, "
+      "int target_sms=0) -> str",
+      &sparse_attn::explain_block_sparse);
+  m.def(
+      "_plan_gather(Tensor query, Tensor key, Tensor value, int index_heads, int target_cc=0, "
+      "int target_sms=0) -> str",
+      &sparse_attn::explain_gather);
+  m.def("_plan_select(Tensor query, Tensor key, int k, bool causal=False, int target_cc=0, int target_sms=0) -> str",
+        &sparse_attn::explain_select);
+  m.def(
+      "_plan_indexer_select(Tensor index_query, Tensor index_key, Tensor index_weights, int k, bool causal=False, "
+      "int target_cc=0, int target_sms=0) -> str",
+      &sparse_attn::explain_indexer_select);
+  m.def(
+      "_set_plan_options(bool portable_only=False, int block_m=0, int block_n=0, bool per_tile_grid=False, "
+      "int merge_boundary=-1, int select_workspace_bytes=0) -> ()",
+      [](bool portable_only, int64_t block_m, int64_t block_n, bool per_tile_grid, int64_t merge_boundary,
+         int64_t select_workspace_bytes) {
+        sparse_attn::PlanOptions& o = sparse_attn::plan_options();
+        o.portable_only = portable_only;
+        o.block_m = int(block_m);
+        o.block_n = int(block_n);
+        o.per_tile_grid = per_tile_grid;
+        o.merge_boundary = int(merge_boundary);
+        o.select_workspace_bytes = select_workspace_bytes;
+      });
+}
+
+// Every backend with real tensors (fake tensors get the Python fake: nothing to check).
+TORCH_LIBRARY_IMPL(sparse_attn, CompositeExplicitAutograd, m) {
+  m.impl("_check_inputs", [](const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
+    sparse_attn::check_qkv(query, key, value);
+  });
 }

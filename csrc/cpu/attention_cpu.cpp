@@ -11,13 +11,13 @@
 #include <vector>
 
 #include "sparse_attn/numeric.h"
+#include "sparse_attn/softmax_row.h"
 #include "sparse_attn/tile_iter.h"
 
 namespace sparse_attn::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLn2 = 0.69314718055994530942f;
 
 template <typename F>
 void dispatch_dtype(ScalarKind dtype, F&& f) {
@@ -71,14 +71,9 @@ template <typename T>
 void finalize_row(const AttnFwdParams& p, int b, int h, int64_t i, const float* acc, float m, float l) {
   T* out = o_row<T>(p, b, h, i);
   float* lse = p.lse + (int64_t(b) * p.h + h) * p.lq + i;
-  if (l == 0.f) {
-    for (int c = 0; c < p.dv; ++c) out[c] = from_float<T>(0.f);
-    *lse = kNegInf;
-    return;
-  }
-  const float inv = 1.f / l;
+  const float inv = row_inv(l);  // 0 for a row that saw no key, whose acc is 0
   for (int c = 0; c < p.dv; ++c) out[c] = from_float<T>(acc[c] * inv);
-  *lse = (m + std::log2(l)) * kLn2;
+  *lse = row_lse(m, l);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -130,7 +125,7 @@ void tiled_attention(const AttnFwdParams& p) {
           if (mx == kNegInf && !nan) continue;  // nothing visible in this tile for this row
           // A NaN score is not part of the max; exp2(NaN) carries it into l and the output.
           const float m_new = std::max(m[r], mx);
-          const float m_ref = m_new == kNegInf ? 0.f : m_new;
+          const float m_ref = softmax_ref(m_new);
           const float alpha = std::exp2(m[r] - m_ref);  // 0 when m[r] == -inf
           float* ar = &acc[r * Dv];
           if (alpha != 1.f) {

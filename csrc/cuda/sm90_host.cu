@@ -1,9 +1,8 @@
-// Host code of the Hopper kernels: when to use them, and their TMA descriptors.
+// Host code of the Hopper kernels: their TMA descriptors (whether they run is plan_flash's call).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "sparse_attn/cuda/flash_fwd.h"
 #include "sparse_attn/cuda/tma.h"
@@ -28,67 +27,16 @@ EncodeTiledFn encode_tiled() {
   return fn;
 }
 
-// Compute capability of device `dev` as major * 10 + minor, cached (the attribute query is cheap,
-// but this runs on every launch).
-int compute_capability(int dev) {
-  static int cache[64] = {};
-  if (dev < 0 || dev >= 64) return 0;
-  if (cache[dev] == 0) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-      return 0;
-    cache[dev] = major * 10 + minor;
-  }
-  return cache[dev];
-}
-
-// TMA wants a 16-byte aligned base and strides that are multiples of 16 bytes; a dimension of
-// size 1 may have any stride (encode_bhld_tma replaces it).
-bool tma_layout_ok(const void* base, int64_t row_stride, int64_t head_stride, int heads, int64_t batch_stride,
-                   int batch) {
-  auto ok = [](int64_t stride, int size) { return size == 1 || (stride > 0 && stride % 8 == 0); };
-  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && row_stride > 0 && row_stride % 8 == 0 &&
-         ok(head_stride, heads) && ok(batch_stride, batch);
-}
-
 }  // namespace
 
-bool flash_sm90_eligible(const AttnFwdParams& p, Variant variant) {
+bool tma_encoder_available() { return encode_tiled() != nullptr; }
+
+bool sm90_kernels_built() {
 #if defined(SPARSE_ATTN_SM90A)
-  if (const char* env = std::getenv("SPARSE_ATTN_SM90"); env != nullptr && env[0] == '0') return false;
-  if (variant == Variant::kBlockSparseM64) return false;
-  if (variant == Variant::kBlockSparse && (p.q_block != 128 || p.kv_block != 128)) return false;
-  if (p.dtype == ScalarKind::kFloat32 || p.d != p.dv || p.d > 128 || p.d % 8 != 0) return false;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || compute_capability(dev) != 90) return false;
-  return encode_tiled() != nullptr &&
-         tma_layout_ok(p.q, p.q_row_stride, p.q_head_stride, p.h, p.q_batch_stride, p.b) &&
-         tma_layout_ok(p.k, p.k_row_stride, p.k_head_stride, p.h_kv, p.k_batch_stride, p.b) &&
-         tma_layout_ok(p.v, p.v_row_stride, p.v_head_stride, p.h_kv, p.v_batch_stride, p.b) &&
-         tma_layout_ok(p.o, p.o_row_stride, p.o_head_stride, p.h, p.o_batch_stride, p.b);
+  return true;
 #else
-  (void)p;
-  (void)variant;
   return false;
 #endif
-}
-
-bool flash_sm90_dynamic_schedule(const AttnFwdParams& p, Variant variant) {
-  const bool uneven = variant == Variant::kBlockSparse || p.window_left >= 0 || p.window_right >= 0;
-  return uneven && flash_sm90_eligible(p, variant);
-}
-
-int current_device_sm_count() {
-  static int cache[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 1;
-  if (cache[dev] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) return 1;
-    cache[dev] = n;
-  }
-  return cache[dev];
 }
 
 cudaError_t encode_bhld_tma(CUtensorMap* map, const void* base, int elem_bytes, int d, int rows, int heads,

@@ -2,4 +2,4 @@
 #include "sparse_attn/cuda/flash_fwd_sm90.cuh"
 
 template cudaError_t sparse_attn::run_flash_fwd_sm90_<sparse_attn::ScalarKind::kBFloat16, 64, sparse_attn::Variant::kBlockSparse>(
-    const sparse_attn::AttnFwdParams&, cudaStream_t);
+    const sparse_attn::AttnFwdParams&, const sparse_attn::FlashPlan&, cudaStream_t);

@@ -37,7 +37,7 @@
   }()
 
 // Compiled head dimensions: 64, 128, 256 (smaller multiples of 8 are padded up, see
-// padded_head_dim).
+// padded_head_dim in plan.h).
 #define SA_HEADDIM_SWITCH(HEADDIM, NAME, ...)                                             \
   [&] {                                                                                   \
     switch (HEADDIM) {                                                                    \
@@ -48,11 +48,3 @@
         throw std::invalid_argument("no kernel for head dimension " + std::to_string(HEADDIM)); \
     }                                                                                     \
   }()
-
-namespace sparse_attn {
-
-// The compiled head dimension that serves a head dimension d <= 256 (a multiple of 8): loads
-// are predicated on d, so padding costs time but never correctness.
-constexpr int padded_head_dim(int d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
-
-}  // namespace sparse_attn

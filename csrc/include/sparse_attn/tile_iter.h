@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "sparse_attn/params.h"
+#include "sparse_attn/plan.h"
 #include "sparse_attn/platform.h"
 
 namespace sparse_attn {
@@ -244,6 +245,17 @@ struct BlockSparseTiles {
     if constexpr (kWidth == 64) bits |= uint64_t(uint32_t(w[1])) << 32;
     return bits & in_range;
   }
+};
+
+// The iterator of a kernel variant (plan.h). kTileIsBlock: block-sparse masks whose blocks are
+// exactly the kernel's tiles (BlockSparseTiles).
+template <Variant V, int kBlockM, int kBlockN, bool kTileIsBlock = false>
+struct TilesOf {
+  using type = BlockSparseTiles<kBlockM, kBlockN, kTileIsBlock>;
+};
+template <int kBlockM, int kBlockN, bool kTileIsBlock>
+struct TilesOf<Variant::kWindow, kBlockM, kBlockN, kTileIsBlock> {
+  using type = WindowTiles<kBlockM, kBlockN>;
 };
 
 }  // namespace sparse_attn

@@ -4,13 +4,14 @@
 #pragma once
 
 #include "sparse_attn/params.h"
+#include "sparse_attn/plan.h"
 
 namespace sparse_attn::cpu {
 
-// Tile sizes of the CPU main loop; block-sparse masks need q_block % kBlockM == 0 and
+// Tile sizes of the CPU main loop (plan.h); block-sparse masks need q_block % kBlockM == 0 and
 // kv_block % kBlockN == 0.
-constexpr int kBlockM = 32;
-constexpr int kBlockN = 64;
+constexpr int kBlockM = flash_fwd_cpu_tile().block_m;
+constexpr int kBlockN = flash_fwd_cpu_tile().block_n;
 
 // softmax(scale * Q K^T + mask) V through the fp32 score matrix params.scores (B, H, Lq, Lk).
 void dense_fwd(const AttnFwdParams& params);

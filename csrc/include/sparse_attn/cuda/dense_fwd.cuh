@@ -9,6 +9,7 @@
 
 #include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/dense_fwd.h"
+#include "sparse_attn/cuda/element.cuh"
 #include "sparse_attn/tile_iter.h"
 
 namespace sparse_attn::cuda {
@@ -24,12 +25,6 @@ __device__ __forceinline__ MaxSum merge(MaxSum a, MaxSum b) {
   if (m == -INFINITY) return {m, a.s + b.s};
   return {m, a.s * __expf(a.m - m) + b.s * __expf(b.m - m)};
 }
-
-template <typename T>
-__device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
 
 // Score j of row (b, h, i) after the causal/band test and the user mask; -inf when hidden.
 __device__ __forceinline__ float masked_score(const AttnFwdParams& p, const float* s, int64_t mask_base, int i,

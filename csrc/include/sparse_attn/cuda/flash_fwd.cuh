@@ -13,27 +13,19 @@
 
 #include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/flash_fwd.h"
+#include "sparse_attn/cuda/flash_mask.cuh"
 #include "sparse_attn/cuda/flash_softmax.cuh"
 #include "sparse_attn/cuda/ptx.cuh"
+#include "sparse_attn/cuda/smem_tile.cuh"
 #include "sparse_attn/tile_iter.h"
 
 namespace sparse_attn::cuda {
 
-// kTileIsBlock: block-sparse masks whose blocks are exactly the kernel's tiles (BlockSparseTiles).
-template <Variant V, int kBlockM, int kBlockN, bool kTileIsBlock = false>
-struct TilesOf {
-  using type = BlockSparseTiles<kBlockM, kBlockN, kTileIsBlock>;
-};
-template <int kBlockM, int kBlockN, bool kTileIsBlock>
-struct TilesOf<Variant::kWindow, kBlockM, kBlockN, kTileIsBlock> {
-  using type = WindowTiles<kBlockM, kBlockN>;
-};
-
-template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant>
+template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant, int kBlockM_>
 struct FlashFwdTraits {
   static constexpr ScalarKind kDtype = kDtype_;
   using Element = typename ElementOf<kDtype>::type;
-  static constexpr FlashTile kTile = flash_fwd_tile(kHeadDim_, kVariant);
+  static constexpr FlashTile kTile = flash_fwd_tile(kHeadDim_, kVariant, kBlockM_);
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -51,13 +43,6 @@ struct FlashFwdTraits {
   static_assert(kWarpRows % 16 == 0 && kChunks % 8 == 0 && kNTiles % 2 == 0 &&
                 (kBlockN <= 64 || kBlockN % 64 == 0));
 };
-
-// Byte offset of 16-byte chunk `chunk` of row `row`. The XOR with the row spreads the eight rows
-// one ldmatrix phase reads over all 32 banks.
-template <int kChunks>
-__device__ __forceinline__ uint32_t swz(int row, int chunk) {
-  return uint32_t((row * kChunks + (chunk ^ (row & 7))) * 16);
-}
 
 // kRows x kHeadDim tile from global memory (row stride in elements) into swizzled shared memory;
 // rows >= rows_valid and columns >= d_valid are zero-filled, never read. Each thread copies one
@@ -88,21 +73,6 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::Elem
     const bool ok = col_ok && r < rows_valid;
     cp_async_16(dst(i), ok ? src : gmem, ok ? 16 : 0);
   }
-}
-
-// Shared-memory address of chunk `chunk` (a compile-time step) relative to a per-thread base
-// `base` = swz(row, c0) for the thread's row and its chunk c0 in {0, 1}: for rows of >= 8 chunks
-// the swizzle is linear in the step, so each step costs one XOR with a constant.
-template <int kStep>
-__device__ __forceinline__ uint32_t swz_step(uint32_t base) {
-  return (base ^ uint32_t((kStep & 3) << 5)) + uint32_t((kStep >> 2) << 7);
-}
-
-// Hides a value from loop-invariant code motion, so that addresses derived from it are
-// recomputed where they are used instead of occupying registers for the whole loop.
-__device__ __forceinline__ uint32_t opaque(uint32_t x) {
-  asm volatile("" : "+r"(x));
-  return x;
 }
 
 template <typename Tr>
@@ -274,20 +244,30 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
 
 namespace sparse_attn {
 
-template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
-cudaError_t run_flash_fwd_(const AttnFwdParams& params, cudaStream_t stream) {
-  if constexpr ((kHeadDim == 64 || kHeadDim == 128) && kVariant != Variant::kBlockSparseM64) {
-    if (flash_sm90_eligible(params, kVariant))
-      return run_flash_fwd_sm90_<kDtype, kHeadDim, kVariant>(params, stream);
-  }
-  using Tr = cuda::FlashFwdTraits<kDtype, kHeadDim, kVariant>;
+namespace cuda {
+
+template <typename Tr>
+cudaError_t launch_flash_fwd(const AttnFwdParams& params, cudaStream_t stream) {
   const int64_t grid = num_ctas<Tr::kBlockM>(params);
   if (grid == 0) return cudaSuccess;
   if (grid > INT_MAX) return cudaErrorInvalidConfiguration;
-  auto kernel = cuda::flash_fwd_kernel<Tr>;
+  auto kernel = flash_fwd_kernel<Tr>;
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<unsigned(grid), Tr::kNThreads, Tr::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
+}
+
+}  // namespace cuda
+
+template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
+cudaError_t run_flash_fwd_(const AttnFwdParams& params, const FlashPlan& plan, cudaStream_t stream) {
+  // Block-sparse masks of 64-row query blocks run 64-row tiles; everything else 128-row ones.
+  if constexpr (kVariant == Variant::kBlockSparse) {
+    if (plan.tile.block_m == 64)
+      return cuda::launch_flash_fwd<cuda::FlashFwdTraits<kDtype, kHeadDim, kVariant, 64>>(params, stream);
+  }
+  if (plan.tile.block_m != 128) return cudaErrorInvalidValue;  // a tile no instantiation holds
+  return cuda::launch_flash_fwd<cuda::FlashFwdTraits<kDtype, kHeadDim, kVariant, 128>>(params, stream);
 }
 
 }  // namespace sparse_attn

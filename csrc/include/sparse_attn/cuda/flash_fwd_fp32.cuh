@@ -12,23 +12,14 @@
 
 #include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/flash_fwd.h"
+#include "sparse_attn/cuda/ptx.cuh"
+#include "sparse_attn/softmax_row.h"
 #include "sparse_attn/tile_iter.h"
 
 namespace sparse_attn::cuda {
 
 constexpr int kFp32RowsPerWarp = 4;
 constexpr int kFp32DimPerLane = 8;  // 256 / 32
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
 
 template <typename Tiles>
 __global__ void __launch_bounds__(128) flash_fwd_fp32_kernel(__grid_constant__ const AttnFwdParams p) {
@@ -85,7 +76,7 @@ __global__ void __launch_bounds__(128) flash_fwd_fp32_kernel(__grid_constant__ c
     for (int r = 0; r < kFp32RowsPerWarp; ++r) {
       if (n0 + lane >= p.lk || (need_mask && !((tiles.visible_bits(it, row0 + r) >> lane) & 1u))) s[r] = -INFINITY;
       const float m_new = fmaxf(m[r], warp_max(s[r]));
-      const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+      const float m_ref = softmax_ref(m_new);
       const float alpha = exp2f(m[r] - m_ref);
       pr[r] = exp2f(s[r] - m_ref);
       l[r] = l[r] * alpha + warp_sum(pr[r]);
@@ -112,14 +103,12 @@ __global__ void __launch_bounds__(128) flash_fwd_fp32_kernel(__grid_constant__ c
 #pragma unroll
   for (int r = 0; r < kFp32RowsPerWarp; ++r) {
     if (row0 + r >= p.lq) continue;
-    const float inv = l[r] == 0.f ? 0.f : 1.f / l[r];
+    const float inv = row_inv(l[r]);
     float* o = static_cast<float*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + int64_t(row0 + r) * p.o_row_stride;
 #pragma unroll
     for (int x = 0; x < kFp32DimPerLane; ++x)
       if (lane + 32 * x < p.dv) o[lane + 32 * x] = acc[r][x] * inv;
-    if (lane == 0)
-      p.lse[(int64_t(b) * p.h + h) * p.lq + row0 + r] =
-          l[r] == 0.f ? -INFINITY : (m[r] + log2f(l[r])) * 0.69314718055994530942f;
+    if (lane == 0) p.lse[(int64_t(b) * p.h + h) * p.lq + row0 + r] = row_lse(m[r], l[r]);
   }
 }
 

@@ -29,10 +29,10 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
 
 #include "sparse_attn/cuda/cuda_check.h"
-#include "sparse_attn/cuda/flash_fwd.cuh"
+#include "sparse_attn/cuda/flash_fwd.h"
+#include "sparse_attn/cuda/flash_mask.cuh"
 #include "sparse_attn/cuda/flash_softmax.cuh"
 #include "sparse_attn/cuda/ptx.cuh"
 #include "sparse_attn/cuda/ptx_sm90.cuh"
@@ -42,24 +42,20 @@
 
 namespace sparse_attn::cuda {
 
-// Kernel parameters: the family's params plus the TMA descriptors of Q, K, V and O.
-struct FlashSm90Params {
+// Kernel arguments: the family's params, the TMA descriptors of Q, K, V and O, and the plan's
+// schedule and options.
+struct FlashSm90Args {
   AttnFwdParams p;
   CUtensorMap tma_q, tma_k, tma_v, tma_o;  // tma_o: boxes of kStoreRows rows
-  int pingpong;
-  int lazy_rescale;       // see the kernel; SPARSE_ATTN_SM90_LAZY_RESCALE=0 turns it off (A/B timing)
-  int merge_boundary;     // see the kernel and the launcher
-  int32_t* tile_counter;  // zeroed before the launch; nullptr: static round-robin
+  int merge_boundary;     // FlashPlan::merge_boundary (see the kernel)
+  int32_t* tile_counter;  // zeroed before the launch (Schedule::kDynamic); nullptr: round-robin
 };
 
-// kBlockM_: 64 query rows per consumer warpgroup; kBlockN_: keys per tile (64, 128 or 192); the
-// defaults are flash_fwd_sm90_tile's.
-template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant,
-          int kBlockM_ = flash_fwd_sm90_tile(kHeadDim_, kVariant).block_m,
-          int kBlockN_ = flash_fwd_sm90_tile(kHeadDim_, kVariant).block_n>
+// kBlockM_: 64 query rows per consumer warpgroup; kBlockN_: keys per tile (128 or 192). The
+// launcher instantiates exactly the tiles of flash_fwd_sm90_tiles (plan.h).
+template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant, int kBlockM_, int kBlockN_>
 struct FlashSm90Traits {
   static constexpr ScalarKind kDtype = kDtype_;
-  static constexpr FlashTile kTile = flash_fwd_sm90_tile(kHeadDim_, kVariant);
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kBlockSparse = kVariant != Variant::kWindow;
   static constexpr int kBlockM = kBlockM_;
@@ -93,8 +89,8 @@ struct FlashSm90Traits {
   // warpgroup barriers: full attention 4k/8k +2.1-2.4 %), the warpgroup's 64 at 128 (per-warp
   // stores measured 10 % slower there; docs/PERF_LOG.md).
   static constexpr int kStoreRows = kHeadDim == 64 ? 16 : 64;
-  // Block-sparse masks reach this kernel only with 128 x 128 blocks (flash_sm90_eligible; the
-  // launcher checks it): one list entry per key tile.
+  // Block-sparse masks reach this kernel only with 128 x 128 blocks (plan_flash; the launcher
+  // checks it): one list entry per key tile.
   using Tiles = typename TilesOf<kVariant, kBlockM, kBlockN, true>::type;
   static_assert(kBlockM % 64 == 0 && (kConsumers == 2 || kConsumers == 3) && kHeadDim % 64 == 0);
   // setmaxnreg moves registers within the CTA's launch allocation (ptxas gives the kernel the most
@@ -106,11 +102,11 @@ struct FlashSm90Traits {
 
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
-    flash_fwd_sm90_kernel(__grid_constant__ const FlashSm90Params P) {
+    flash_fwd_sm90_kernel(__grid_constant__ const FlashSm90Args args) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages, kNTiles = Tr::kNTiles,
                 kDTiles = Tr::kDTiles;
-  const AttnFwdParams& p = P.p;
+  const AttnFwdParams& p = args.p;
   extern __shared__ char smem_raw[];
   const uint32_t sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t sO = sQ + Tr::kQStages * Tr::kQBytes;  // output staging, same layout as Q
@@ -169,7 +165,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
           mbar_wait_idle(bar_sched_taken, (sn - 1) & 1);
           // At most num_tiles + gridDim.x - 1 <= 2 * INT_MAX: min keeps it an int.
           tile = int(
-              min64(int64_t(gridDim.x) + (P.tile_counter != nullptr ? atomicAdd(P.tile_counter, 1) : tile),
+              min64(int64_t(gridDim.x) + (args.tile_counter != nullptr ? atomicAdd(args.tile_counter, 1) : tile),
                     num_tiles));
         }
         int4 entry = make_int4(tile, -1, 0, 0);  // past the end, or not a tile
@@ -185,9 +181,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       }
     } else if (threadIdx.x == 0) {
       // Loader.
-      tma_prefetch_desc(&P.tma_q);
-      tma_prefetch_desc(&P.tma_k);
-      tma_prefetch_desc(&P.tma_v);
+      tma_prefetch_desc(&args.tma_q);
+      tma_prefetch_desc(&args.tma_k);
+      tma_prefetch_desc(&args.tma_v);
       int kv = 0, qn = 0;  // K/V tiles and Q tiles loaded so far: ring positions and phases
       for (int sn = 0;; ++sn) {
         const int slot = sn % Tr::kSchedSlots;
@@ -206,7 +202,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         mbar_expect_tx(bar_q_full + 8 * qs, Tr::kQBytes);
 #pragma unroll
         for (int c = 0; c < Tr::kColBlocks; ++c)
-          tma_load_4d(sQ + qs * Tr::kQBytes + c * Tr::kQColBytes, &P.tma_q, bar_q_full + 8 * qs, c * 64,
+          tma_load_4d(sQ + qs * Tr::kQBytes + c * Tr::kQColBytes, &args.tma_q, bar_q_full + 8 * qs, c * 64,
                       m_block * kBlockM, h, b);
         ++qn;
         for (int it = 0; it < n_tiles; ++it, ++kv) {
@@ -221,8 +217,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
             for (int c = 0; c < Tr::kColBlocks; ++c)
               tma_load_4d(buf + s * Tr::kKVBytes + c * Tr::kKVColBytes, map, full + 8 * s, c * 64, n0, hk, b);
           };
-          load(sK, &P.tma_k, bar_k_full, bar_k_empty);
-          load(sV, &P.tma_v, bar_v_full, bar_v_empty);
+          load(sK, &args.tma_k, bar_k_full, bar_k_empty);
+          load(sV, &args.tma_v, bar_v_full, bar_v_empty);
         }
       }
     }
@@ -240,12 +236,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // other warpgroup arrives at after issuing its own, so the two take strict turns, across tile
   // boundaries too (one warpgroup's epilogue runs under the other's GEMMs). Warpgroup 1 arrives
   // once up front; warpgroup 0 consumes the one arrival left over at the end.
-  const bool pingpong = Tr::kConsumers == 2 && P.pingpong != 0;
+  constexpr bool pingpong = Tr::kConsumers == 2;
   // Lazy rescale (Tr::kLazyRescale): a row's running max moves only when a tile's max exceeds it
   // by more than kMaxStale (log2 units), so in most tiles no row of a warp changes its max and the
   // warp skips the rescale of O (64 multiplies per thread at head dim 128).
-  const bool lazy = Tr::kLazyRescale && P.lazy_rescale != 0;
-  const float max_stale = lazy ? kMaxStale : 0.f;
+  constexpr bool lazy = Tr::kLazyRescale;
+  constexpr float max_stale = lazy ? kMaxStale : 0.f;
   if (pingpong && wg == 1) named_barrier_arrive(5, 256);
 
   // The accumulators outlive their tile: a tile's output is written after the next tile's first
@@ -288,7 +284,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     if (storer) {
 #pragma unroll
       for (int c = 0; c < Tr::kColBlocks; ++c)
-        tma_store_4d(&P.tma_o, sO + c * Tr::kQColBytes + store_row0 * 128, c * 64, out_m0 + store_row0, out_h,
+        tma_store_4d(&args.tma_o, sO + c * Tr::kQColBytes + store_row0 * 128, c * 64, out_m0 + store_row0, out_h,
                      out_b);
       bulk_commit_group();
     }
@@ -334,14 +330,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     fence_regs(pa_flat);
     release(bar_v_empty, it);
   };
-  // Merged tile boundary (P.merge_boundary): a tile's last P V is issued in the same turn as the
+  // Merged tile boundary (args.merge_boundary): a tile's last P V is issued in the same turn as the
   // next tile's first Q K^T instead of in a turn of its own, so a tile of n key tiles costs each
   // consumer n turns, not n + 1, and the tensor cores get no half-size turns at the boundary
   // (the epilogue then runs after the next tile's row maxima, under the other consumer's turn).
   // Short block-sparse tiles +0.4-2.0 %, dense 0.988 (docs/PERF_LOG.md). Two consumers only:
   // the three-consumer kernel (160 registers) spilled with it, and has no turns to merge.
   // pv_pending: the previous tile's last P V is not issued yet.
-  const bool merge = Tr::kConsumers == 2 && P.merge_boundary != 0;
+  const bool merge = Tr::kConsumers == 2 && args.merge_boundary != 0;
   bool pv_pending = false;
   auto retire_pending_alone = [&]() {
     turn_begin();
@@ -512,102 +508,57 @@ namespace sparse_attn {
 
 namespace cuda {
 
-// Keys a query row of a band (a window with a left bound) can see; -1 for any other mask.
-inline int64_t band_keys(const AttnFwdParams& p) {
-  if (p.window_left < 0) return -1;
-  return int64_t(p.window_left) + 1 + (p.window_right >= 0 ? p.window_right : p.lk);
-}
-
 template <typename Tr>
-cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, cudaStream_t stream) {
+cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, const FlashPlan& plan, cudaStream_t stream) {
   const int64_t tiles = num_ctas<Tr::kBlockM>(params);
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT_MAX) return cudaErrorInvalidConfiguration;
   // Block-sparse: the kernel's iterator takes mask blocks to be its tiles.
   if (Tr::kBlockSparse && (params.q_block != Tr::kBlockM || params.kv_block != Tr::kBlockN))
     return cudaErrorInvalidValue;
-  // One persistent CTA per SM. Uneven tiles (causal, windows, block-sparse) come with a zeroed
-  // counter and are taken dynamically; even ones round-robin. SPARSE_ATTN_SM90_SCHED=grid runs
-  // one CTA per tile instead (the hardware's dispatch), for A/B timing.
-  const char* sched = std::getenv("SPARSE_ATTN_SM90_SCHED");
-  const bool per_tile = sched != nullptr && sched[0] == 'g';
-  const int grid = per_tile ? int(tiles) : int(min64(tiles, current_device_sm_count()));
-  cuda::FlashSm90Params P;
-  P.p = params;
-  P.tile_counter = per_tile ? nullptr : params.tile_counter;
-  // Ping-pong: with the persistent grid it pays at every length (docs/PERF_LOG.md; before, with
-  // one CTA per tile, it cost 3-6% at 16k keys). SPARSE_ATTN_SM90_PINGPONG=0 turns it off, for A/B
-  // timing.
-  const char* pp = std::getenv("SPARSE_ATTN_SM90_PINGPONG");
-  P.pingpong = pp == nullptr || pp[0] != '0';
-  // Lazy rescale: +2-4 % at head dim 128 (docs/PERF_LOG.md).
-  const char* lazy = std::getenv("SPARSE_ATTN_SM90_LAZY_RESCALE");
-  P.lazy_rescale = lazy == nullptr || lazy[0] != '0';
-  // Merged tile boundary (see the kernel): block-sparse masks and bands of at most 1024 keys per
-  // row, whose tiles are short (+0.4-2.0 %; windows of 256: +1-2 %); dense and causal attention
-  // measured 0.988-0.999 with it, bands of 1024-4096 keys 0.99-1.01 (docs/PERF_LOG.md).
-  // SPARSE_ATTN_SM90_MERGE_BOUNDARY=0/1 forces it off or on (A/B timing, tests).
-  const char* merge = std::getenv("SPARSE_ATTN_SM90_MERGE_BOUNDARY");
-  const int64_t band = band_keys(params);
-  P.merge_boundary = merge == nullptr ? Tr::kBlockSparse || (band >= 0 && band <= 1024) : merge[0] != '0';
+  const bool dynamic = plan.schedule == Schedule::kDynamic;
+  if (dynamic && params.tile_counter == nullptr) return cudaErrorInvalidValue;
+  FlashSm90Args args;
+  args.p = params;
+  args.tile_counter = dynamic ? params.tile_counter : nullptr;
+  args.merge_boundary = plan.merge_boundary;
+  // Persistent CTAs, one per SM, or one CTA per tile.
+  const int grid = plan.schedule == Schedule::kPerTile ? int(tiles) : int(min64(tiles, plan.persistent_ctas));
   const int elem = 2;
-  SA_CUDA_TRY(encode_bhld_tma(&P.tma_q, params.q, elem, params.d, params.lq, params.h, params.b,
+  SA_CUDA_TRY(encode_bhld_tma(&args.tma_q, params.q, elem, params.d, params.lq, params.h, params.b,
                               params.q_row_stride, params.q_head_stride, params.q_batch_stride, Tr::kBlockM));
-  SA_CUDA_TRY(encode_bhld_tma(&P.tma_k, params.k, elem, params.d, params.lk, params.h_kv, params.b,
+  SA_CUDA_TRY(encode_bhld_tma(&args.tma_k, params.k, elem, params.d, params.lk, params.h_kv, params.b,
                               params.k_row_stride, params.k_head_stride, params.k_batch_stride, Tr::kBlockN));
-  SA_CUDA_TRY(encode_bhld_tma(&P.tma_v, params.v, elem, params.dv, params.lk, params.h_kv, params.b,
+  SA_CUDA_TRY(encode_bhld_tma(&args.tma_v, params.v, elem, params.dv, params.lk, params.h_kv, params.b,
                               params.v_row_stride, params.v_head_stride, params.v_batch_stride, Tr::kBlockN));
-  SA_CUDA_TRY(encode_bhld_tma(&P.tma_o, params.o, elem, params.dv, params.lq, params.h, params.b,
+  SA_CUDA_TRY(encode_bhld_tma(&args.tma_o, params.o, elem, params.dv, params.lq, params.h, params.b,
                               params.o_row_stride, params.o_head_stride, params.o_batch_stride, Tr::kStoreRows));
-  auto kernel = cuda::flash_fwd_sm90_kernel<Tr>;
+  auto kernel = flash_fwd_sm90_kernel<Tr>;
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
-  kernel<<<grid, Tr::kNThreads, Tr::kSmemBytes, stream>>>(P);
+  kernel<<<grid, Tr::kNThreads, Tr::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
-// Head dim 64, 128-row tiles, no band: 192-key tiles spread the per-tile work (row maxima, the
-// rescale, barriers) over 1.5x the scores (+2-8 % at 2k-8k, docs/PERF_LOG.md), but a ragged last
-// tile computes padding: taken when the keys padded to 192 exceed those padded to 128 by at most
-// 5 % (not at 1k: 1152 vs 1024). Causal and windowed attention keep 128 keys (their diagonal
-// tiles are masked; measured no gain). SPARSE_ATTN_SM90_D64_BLOCKN=128/192 forces one.
-inline bool d64_prefers_192_keys(const AttnFwdParams& p) {
-  if (const char* env = std::getenv("SPARSE_ATTN_SM90_D64_BLOCKN"); env != nullptr)
-    return std::atoi(env) == 192;
-  if (p.window_left >= 0 || p.window_right >= 0) return false;
-  const int64_t pad192 = (int64_t(p.lk) + 191) / 192 * 192, pad128 = (int64_t(p.lk) + 127) / 128 * 128;
-  return pad192 * 100 <= pad128 * 105;
-}
-
-// Head dim 64, dense family: 192-row tiles (three consumers) keep the tensor cores busier per
-// tile, 128-row tiles (two, ping-pong) quantise better into waves of one tile per SM. Takes
-// 128 when its estimated time, rounds x the cost of a 128-row tile relative to a 192-row one, is
-// lower: 0.72 with 128-key tiles, 0.66 with 192-key tiles (fits to measured times at 4k-16k,
-// docs/PERF_LOG.md). A band of at most 4096 keys per row takes 128 whatever the rounds: its
-// tiles see few key tiles, and 128-row tiles measured 1.04-1.18x as fast as 192-row ones at
-// 511-2047 keys per row (4k-64k), level at 4096, 0.97x at 8191. SPARSE_ATTN_SM90_D64_ROWS=128/192
-// forces one.
-inline bool d64_prefers_128_rows(const AttnFwdParams& p) {
-  if (const char* env = std::getenv("SPARSE_ATTN_SM90_D64_ROWS"); env != nullptr)
-    return std::atoi(env) == 128;
-  if (const int64_t band = band_keys(p); band >= 0 && band <= 4096) return true;
-  const int64_t sms = current_device_sm_count(), bh = int64_t(p.b) * p.h;
-  const int64_t rounds192 = ((int64_t(p.lq) + 191) / 192 * bh + sms - 1) / sms;
-  const int64_t rounds128 = ((int64_t(p.lq) + 127) / 128 * bh + sms - 1) / sms;
-  return rounds128 * (d64_prefers_192_keys(p) ? 66 : 72) < rounds192 * 100;
+// The plan's tile, found in flash_fwd_sm90_tiles(kHeadDim, kVariant) from entry kIndex on.
+template <ScalarKind kDtype, int kHeadDim, Variant kVariant, int kIndex>
+cudaError_t launch_planned_sm90_tile(const AttnFwdParams& params, const FlashPlan& plan, cudaStream_t stream) {
+  constexpr FlashTileSet kSet = flash_fwd_sm90_tiles(kHeadDim, kVariant);
+  if constexpr (kIndex >= kSet.count) {
+    return cudaErrorInvalidValue;  // the plan named a tile the table does not hold
+  } else {
+    constexpr FlashTile kTile = kSet.tiles[kIndex];
+    if (plan.tile.block_m == kTile.block_m && plan.tile.block_n == kTile.block_n)
+      return launch_flash_fwd_sm90<FlashSm90Traits<kDtype, kHeadDim, kVariant, kTile.block_m, kTile.block_n>>(
+          params, plan, stream);
+    return launch_planned_sm90_tile<kDtype, kHeadDim, kVariant, kIndex + 1>(params, plan, stream);
+  }
 }
 
 }  // namespace cuda
 
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
-cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, cudaStream_t stream) {
-  if constexpr (kHeadDim == 64 && kVariant == Variant::kWindow) {
-    using Rows128 = cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant, 128>;
-    using Rows128Keys192 = cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant, 128, 192>;
-    if (cuda::d64_prefers_128_rows(params))
-      return cuda::d64_prefers_192_keys(params) ? cuda::launch_flash_fwd_sm90<Rows128Keys192>(params, stream)
-                                                : cuda::launch_flash_fwd_sm90<Rows128>(params, stream);
-  }
-  return cuda::launch_flash_fwd_sm90<cuda::FlashSm90Traits<kDtype, kHeadDim, kVariant>>(params, stream);
+cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, const FlashPlan& plan, cudaStream_t stream) {
+  return cuda::launch_planned_sm90_tile<kDtype, kHeadDim, kVariant, 0>(params, plan, stream);
 }
 
 }  // namespace sparse_attn

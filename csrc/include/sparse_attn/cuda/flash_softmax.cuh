@@ -8,101 +8,13 @@
 #include <cstdint>
 
 #include "sparse_attn/cuda/ptx.cuh"
-#include "sparse_attn/tile_iter.h"
+#include "sparse_attn/softmax_row.h"
 
 namespace sparse_attn::cuda {
 
 // How far (log2 units) a tile's row max may exceed the running max before the running max moves,
 // where a kernel keeps it lazily (softmax_fold_max's max_stale): the terms stay <= 2^8.
 constexpr float kMaxStale = 8.f;
-
-// Hides what the tile's iterator says is not visible (S = -inf there), scaled or not. row_base:
-// the query row of (mi = 0, half = 0); needed: tiles.tile_needs_mask(it), which a caller may
-// evaluate early (a block-sparse mask reads it from global memory) and pass in.
-template <int kBlockN, int kMTiles, int kNTiles, typename Tiles>
-__device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], const Tiles& tiles, int it,
-                                            int row_base, int t, bool needed) {
-  if (!needed) return;
-  // Column ni * 8 + 2t + e of the tile is bit (ni * 8 + e) of the row's mask shifted by 2t.
-#pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row_base + mi * 16 + half * 8;
-      static_for<(kBlockN + 63) / 64>([&](auto c_) {
-        constexpr int c64 = decltype(c_)::value * 64;
-        constexpr int n_end = (c64 + 64 < kBlockN ? c64 + 64 : kBlockN) / 8;
-        const uint64_t bits = tiles.visible_bits(it, row, c64) >> (2 * t);
-#pragma unroll
-        for (int ni = c64 / 8; ni < n_end; ++ni)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (!((bits >> ((ni % 8) * 8 + e)) & 1u)) s[mi][ni][2 * half + e] = -INFINITY;
-      });
-    }
-  }
-}
-
-// A tile's element mask read ahead of its scores (the Hopper core with a block-sparse mask, whose
-// mask words come from global memory: read after the scores, their latency sat on every partial
-// block's critical path). Two steps, each issuing loads that the next one consumes much later:
-// the iterator's entry_of (the list entry, into kb and pid), then load_tile_mask (the words of a
-// thread's two rows, row_base and row_base + 8); apply_tile_mask once S is ready.
-template <int kBlockN>
-struct TileMask {
-  static constexpr int kWords = kBlockN / 32;
-  int kb, pid;            // the list entry (tiles.entry_of)
-  uint32_t w[2][kWords];  // the rows' mask words (all ones without an element mask)
-  int cols;               // columns of the tile that exist (0: an invalid entry, nothing visible)
-  bool need;              // tiles.tile_needs_mask(it): an element mask, the keys' ragged tail, or invalid
-};
-
-template <int kBlockN, typename Tiles>
-__device__ __forceinline__ void load_tile_mask(TileMask<kBlockN>& m, const Tiles& tiles, int it, int row_base) {
-  static_assert(kBlockN % 128 == 0, "rows of 16-byte words");
-  constexpr int kVec = TileMask<kBlockN>::kWords / 4;
-  const int32_t* words = tiles.row_mask_words(it, m.kb, m.pid, row_base, m.cols);
-  m.need = words != nullptr || m.cols < kBlockN;
-#pragma unroll
-  for (int half = 0; half < 2; ++half)
-#pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      // Rows are 16-byte aligned (set_params_block_sparse aligns the words); row + 8 is 8 rows on.
-      const int4 x = words != nullptr
-                         ? __ldg(reinterpret_cast<const int4*>(words + half * 8 * TileMask<kBlockN>::kWords) + v)
-                         : make_int4(-1, -1, -1, -1);
-      m.w[half][4 * v] = uint32_t(x.x);
-      m.w[half][4 * v + 1] = uint32_t(x.y);
-      m.w[half][4 * v + 2] = uint32_t(x.z);
-      m.w[half][4 * v + 3] = uint32_t(x.w);
-    }
-}
-
-template <int kBlockN, int kNTiles>
-__device__ __forceinline__ void apply_tile_mask(float (&s)[1][kNTiles][4], const TileMask<kBlockN>& m, int t) {
-  // The flag is the same in every lane (one tile); branching on a vote makes that visible to the
-  // compiler (a plain test measured 1-2 % slower on dilated and BigBird masks, docs/PERF_LOG.md).
-  if (!__any_sync(0xffffffffu, m.need)) return;
-#pragma unroll
-  for (int half = 0; half < 2; ++half)
-    static_for<kBlockN / 64>([&](auto c_) {
-      constexpr int c = decltype(c_)::value;
-      const uint64_t word = (uint64_t(m.w[half][2 * c + 1]) << 32) | m.w[half][2 * c];
-      const uint64_t bits = (word & bit_range(0, m.cols - 1 - c * 64)) >> (2 * t);
-#pragma unroll
-      for (int ni = c * 8; ni < c * 8 + 8; ++ni)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (!((bits >> ((ni % 8) * 8 + e)) & 1u)) s[0][ni][2 * half + e] = -INFINITY;
-    });
-}
-
-// The same, asking the iterator at the point of masking.
-template <int kBlockN, int kMTiles, int kNTiles, typename Tiles>
-__device__ __forceinline__ void mask_scores(float (&s)[kMTiles][kNTiles][4], const Tiles& tiles, int it,
-                                            int row_base, int t) {
-  mask_scores<kBlockN>(s, tiles, it, row_base, t, tiles.tile_needs_mask(it));
-}
 
 // S *= scale_log2 (raw scores to log2 units), for online_softmax.
 template <int kMTiles, int kNTiles>
@@ -149,7 +61,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kMTiles][kNTiles][4], 
     for (int half = 0; half < 2; ++half) {
       const float m_new = fmaxf(row_max[mi][half], mx[mi][half]);
       // A row with nothing visible so far keeps m = -inf; exp2 then uses 0 as reference.
-      m_ref[mi][half] = m_new == -INFINITY ? 0.f : m_new;
+      m_ref[mi][half] = softmax_ref(m_new);
       alpha[mi][half] = exp2f(row_max[mi][half] - m_ref[mi][half]);
       row_max[mi][half] = m_new;
       row_sum[mi][half] *= alpha[mi][half];
@@ -242,7 +154,7 @@ __device__ __forceinline__ void softmax_fold_exp(float (&s)[kMTiles][kNTiles][4]
     for (int half = 0; half < 2; ++half) {
       const float m = m_new[mi][half];
       fold = fold && m < 0x1p20f && (m > -0x1p20f || m == -INFINITY);
-      ref[mi][half] = m == -INFINITY ? 0.f : m;  // nothing visible so far: 0 as reference
+      ref[mi][half] = softmax_ref(m);
     }
   exp_pack<kDtype>(s, scale_log2, ref, pa, sum);
   if (!__all_sync(0xffffffffu, fold)) {
@@ -259,7 +171,7 @@ __device__ __forceinline__ void softmax_fold_exp(float (&s)[kMTiles][kNTiles][4]
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         m_new[mi][half] = fmaxf(row_max[mi][half], m_new[mi][half]);
-        ref[mi][half] = m_new[mi][half] == -INFINITY ? 0.f : m_new[mi][half];
+        ref[mi][half] = softmax_ref(m_new[mi][half]);
       }
     exp_pack<kDtype>(s, 1.f, ref, pa, sum);
   }
@@ -330,8 +242,8 @@ __device__ __forceinline__ void pack_p(const float (&s)[kMTiles][kNTiles][4],
 // (-inf for an empty row), from the per-thread running max and sum.
 __device__ __forceinline__ float finish_row(float row_max, float row_sum, float& lse) {
   const float l = quad_sum(row_sum);
-  lse = l == 0.f ? -INFINITY : (row_max + __log2f(l)) * 0.69314718055994530942f;
-  return l == 0.f ? 0.f : 1.f / l;
+  lse = row_lse(row_max, l);
+  return row_inv(l);
 }
 
 }  // namespace sparse_attn::cuda

@@ -1,5 +1,5 @@
-// Thin wrappers over the sm_80+ instructions the tensor-core kernels use: cp.async (global to
-// shared, 16 bytes, zero-filling past the end of a tensor), ldmatrix, and mma.sync m16n8k16.
+// Thin wrappers over the sm_80+ instructions the kernels use: cp.async (global to shared, 16
+// bytes, zero-filling past the end of a tensor), ldmatrix, mma.sync m16n8k16, and warp shuffles.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,13 +9,10 @@
 #include <type_traits>
 #include <utility>
 
+#include "sparse_attn/cuda/element.cuh"
 #include "sparse_attn/params.h"
 
 namespace sparse_attn::cuda {
-
-template <ScalarKind kDtype> struct ElementOf;
-template <> struct ElementOf<ScalarKind::kBFloat16> { using type = __nv_bfloat16; };
-template <> struct ElementOf<ScalarKind::kFloat16> { using type = __half; };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -87,6 +84,17 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
 }
 
 }  // namespace sparse_attn::cuda

@@ -16,8 +16,8 @@
 #include <cstdint>
 
 #include "sparse_attn/cuda/cuda_check.h"
-#include "sparse_attn/cuda/flash_fwd.cuh"  // swz, swz_step
 #include "sparse_attn/cuda/ptx.cuh"
+#include "sparse_attn/cuda/smem_tile.cuh"
 #include "sparse_attn/cuda/topk.h"
 
 namespace sparse_attn::cuda {

@@ -1,4 +1,4 @@
-// Top-k attention over gathered keys on the tensor cores (mma.sync, sm_80+).
+// Attention over gathered keys on the tensor cores (mma.sync, sm_80+).
 //
 // One warp per (batch, query token, group of query heads). The heads of a group read the same
 // kv head and the same index set (indexer selection shares one set across every head, GQA/MQA
@@ -14,16 +14,17 @@
 #include <climits>
 #include <cstdint>
 
-#include "sparse_attn/cuda/flash_fwd.cuh"  // swz, swz_step
+#include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/flash_softmax.cuh"
 #include "sparse_attn/cuda/ptx.cuh"
+#include "sparse_attn/cuda/smem_tile.cuh"
+#include "sparse_attn/plan.h"
 
 namespace sparse_attn::cuda {
 
 constexpr int kGatherMmaWarps = 4;
 constexpr int kGatherMmaKeys = 32;  // keys per stage (4 n8 tiles of S)
 constexpr int kGatherMmaStages = 2;
-constexpr int kGatherMmaRows = 16;  // heads per warp (one m16 tile)
 
 template <int kHeadDim>
 struct GatherMmaLayout {
@@ -205,34 +206,8 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
 #endif
 }
 
-// Heads per warp: the longest aligned run of heads sharing a kv head and an index set
-// (gcd(H / Hkv, H / Hi)), cut to its largest divisor <= 16.
-inline int gather_mma_group(const AttnFwdParams& p) {
-  int a = p.h_per_kv, c = p.h_per_idx;
-  while (c != 0) {
-    const int r = a % c;
-    a = c;
-    c = r;
-  }
-  int group = a < 1 ? 1 : a;
-  while (group > kGatherMmaRows || (a % group) != 0) --group;
-  return group;
-}
-
-// 16-byte copies need 16-byte aligned bases and strides that are multiples of 8 elements.
-inline bool gather_mma_eligible(const AttnFwdParams& p) {
-  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  auto strides = [](int64_t bs, int64_t hs, int64_t rs) { return bs % 8 == 0 && hs % 8 == 0 && rs % 8 == 0; };
-  return p.d == p.dv && p.d <= 128 && p.d % 8 == 0 && aligned(p.q) && aligned(p.k) && aligned(p.v) &&
-         aligned(p.o) && strides(p.q_batch_stride, p.q_head_stride, p.q_row_stride) &&
-         strides(p.k_batch_stride, p.k_head_stride, p.k_row_stride) &&
-         strides(p.v_batch_stride, p.v_head_stride, p.v_row_stride) &&
-         strides(p.o_batch_stride, p.o_head_stride, p.o_row_stride);
-}
-
 template <ScalarKind kDtype, int kHeadDim>
-cudaError_t run_gather_mma_(const AttnFwdParams& p, cudaStream_t stream) {
-  const int group = gather_mma_group(p);
+cudaError_t run_gather_mma_(const AttnFwdParams& p, int group, cudaStream_t stream) {
   const int64_t tasks = int64_t(p.b) * (p.h / group) * p.lq;
   const int64_t blocks = (tasks + kGatherMmaWarps - 1) / kGatherMmaWarps;
   if (blocks == 0) return cudaSuccess;

@@ -1,0 +1,173 @@
+// The plan layer: which kernel serves a call, with which tile shape, schedule and options, and
+// why. One function per op family decides (plan.cpp); the glue fills the inputs (params, the
+// device, the overrides), the launchers obey the plan and decide nothing. Host-only, torch-free
+// and CUDA-free, so every build (a CPU-only one too) can plan, and sparse_attn.explain can show a
+// plan for a GPU it does not have.
+//
+// The tile tables below are the kernels' compile-time shapes: the plan chooses among them, the
+// launchers instantiate exactly them, and nothing else repeats them.
+#pragma once
+
+#include <cstdint>
+
+#include "sparse_attn/params.h"
+
+namespace sparse_attn {
+
+// Which key tiles a query tile visits (tile_iter.h): dense, causal or local (WindowTiles), or
+// the listed blocks of a block-sparse mask (BlockSparseTiles).
+enum class Variant : int { kWindow = 0, kBlockSparse = 1 };
+
+struct FlashTile {
+  int block_m, block_n, warps;
+};
+
+// Portable tensor-core core (mma.sync, sm_80+). Block-sparse tiles are 64 keys wide so that 64-
+// and 128-wide key blocks divide evenly; a mask of 64-row query blocks runs 64-row tiles.
+constexpr FlashTile flash_fwd_tile(int head_dim, Variant v, int block_m) {
+  if (v == Variant::kBlockSparse && block_m == 64) return {64, 64, 4};
+  if (v == Variant::kWindow && head_dim <= 64) return {128, 128, 4};
+  return {128, 64, head_dim >= 256 ? 8 : 4};
+}
+
+// Hopper core (wgmma/TMA, sm_90a): 64 query rows per consumer warpgroup plus one producer
+// warpgroup; the tiles instantiated for a (head dim, variant). Head dim 64 has half the GEMM work
+// per score: three consumers (192 rows) keep the tensor cores busy through the softmax, while
+// two (128 rows) quantise better into waves and take 192-key tiles. Block-sparse masks run here
+// with 128 x 128 blocks only (one list entry per key tile).
+struct FlashTileSet {
+  int count;
+  FlashTile tiles[3];
+};
+constexpr FlashTileSet flash_fwd_sm90_tiles(int head_dim, Variant v) {
+  if (v == Variant::kWindow && head_dim <= 64) return {3, {{192, 128, 16}, {128, 128, 12}, {128, 192, 12}}};
+  return {1, {{128, 128, 12}}};
+}
+
+// CUDA-core fp32 core (any head dim up to 256; exact fp32 arithmetic).
+constexpr FlashTile flash_fwd_fp32_tile() { return {16, 32, 4}; }
+
+// CPU core: query rows x keys per tile of one thread; block-sparse masks need q_block % 32 == 0
+// and kv_block % 64 == 0 (64 and 128 do).
+constexpr FlashTile flash_fwd_cpu_tile() { return {32, 64, 1}; }
+
+// The compiled head dimension that serves a head dimension d <= 256 (a multiple of 8): loads
+// are predicated on d, so padding costs time but never correctness.
+constexpr int padded_head_dim(int d) { return d <= 64 ? 64 : (d <= 128 ? 128 : 256); }
+
+// ---- top-k constants shared by the plan and the top-k kernels ----
+
+// Tensor-core scoring (topk_score.cuh): 64-row query tiles against 64-key tiles.
+constexpr int kTopkScoreBlockM = 64;
+constexpr int kTopkScoreBlockN = 64;
+
+// Bytes of the selection's fp32 score workspace, given the bytes of the index tensor it fills:
+// chunks of query rows are scored and selected one after another within it. Twice the output,
+// at least 256 MiB, at most 2 GiB: memory stays O(Lq * k), and at long context a chunk holds
+// enough rows to fill the GPU.
+constexpr int64_t topk_select_workspace_bytes(int64_t index_bytes) {
+  const int64_t lo = int64_t(256) << 20, hi = int64_t(2) << 30, want = 2 * index_bytes;
+  return want < lo ? lo : (want > hi ? hi : want);
+}
+
+// Padded dimension of the scored dot products (64 or 128).
+inline int topk_score_dim(const TopkSelectParams& p) { return (p.indexer ? p.di : p.d) <= 64 ? 64 : 128; }
+
+// Heads per warp of the tensor-core gather (one m16 tile).
+constexpr int kGatherMmaRows = 16;
+
+// Whether a call's inputs go to kernels that copy 16-byte chunks (every 16-bit flash and
+// block-sparse kernel; the tensor-core gather): the glue then copies inputs whose base or
+// strides are not 16-byte aligned before the params and the plan are made.
+constexpr bool flash_needs_aligned_inputs(ScalarKind dtype) { return dtype != ScalarKind::kFloat32; }
+constexpr bool gather_needs_aligned_inputs(ScalarKind dtype, int64_t d, int64_t dv) {
+  return dtype != ScalarKind::kFloat32 && d == dv && d <= 128;
+}
+
+// ---- inputs of a plan besides the params ----
+
+// kCudaCores: fp32 or gathered attention without tensor cores; kPortable: mma.sync tensor cores
+// (sm_80+); kHopper: wgmma/TMA (sm_90a).
+enum class Core : int { kCpu = 0, kCudaCores = 1, kPortable = 2, kHopper = 3 };
+enum class Schedule : int {
+  kPerTile = 0,     // one CTA per query tile, dispatched by the hardware (OpenMP threads on the CPU)
+  kRoundRobin = 1,  // persistent CTAs, one per SM, taking tiles in a fixed order (even tiles)
+  kDynamic = 2,     // persistent CTAs taking the next tile from a global counter (uneven tiles)
+};
+
+// The device a call runs on. cc = 0: the CPU.
+struct DeviceInfo {
+  int cc = 0;                 // compute capability, major * 10 + minor
+  int sms = 0;                // streaming multiprocessors
+  bool sm90_kernels = false;  // this build holds the sm_90a kernels
+  bool tma = false;           // the driver can encode TMA descriptors
+};
+
+// Overrides of the plan's choices, for tests and benchmarks (set through the private op
+// sparse_attn::_set_plan_options; never read from the environment). 0 / -1: decided by the plan.
+struct PlanOptions {
+  bool portable_only = false;          // never the Hopper core
+  int block_m = 0, block_n = 0;        // a Hopper tile of the table (taken where the table has it)
+  bool per_tile_grid = false;          // Hopper: one CTA per tile instead of persistent CTAs
+  int merge_boundary = -1;             // Hopper: 0 / 1 forces the merged tile boundary off / on
+  int64_t select_workspace_bytes = 0;  // top-k selection's score workspace
+};
+
+// The process's overrides (one struct, read by every plan; defaults until a test sets them).
+PlanOptions& plan_options();
+
+// ---- plans ----
+
+struct FlashPlan {
+  Core core = Core::kCpu;
+  Variant variant = Variant::kWindow;
+  FlashTile tile{};
+  Schedule schedule = Schedule::kPerTile;
+  int persistent_ctas = 0;      // Hopper, persistent schedules: CTAs of the grid (one per SM)
+  bool merge_boundary = false;  // Hopper: a tile's last P V issued with the next tile's first Q K^T
+  // Why: the core (and, when the Hopper core is not taken, what kept it out), the tile, the
+  // schedule. Static strings.
+  const char* why_core = "";
+  const char* why_tile = "";
+  const char* why_schedule = "";
+};
+
+// flash_fwd (Variant::kWindow) and block_sparse_fwd (Variant::kBlockSparse; params carry the
+// mask's block sizes) with params as set_params_* filled them.
+FlashPlan plan_flash(const AttnFwdParams& params, Variant variant, const DeviceInfo& device,
+                     const PlanOptions& options);
+
+struct GatherPlan {
+  Core core = Core::kCpu;  // kPortable: the tensor-core gather; kCudaCores: one warp per query row
+  int head_dim = 0;        // tensor-core gather: the compiled head dim (64 or 128)
+  int group = 1;           // tensor-core gather: query heads per warp (rows of its m16 tile)
+  const char* why = "";
+};
+
+// gather_fwd: attention over each query's listed keys (params.indices).
+GatherPlan plan_gather(const AttnFwdParams& params, const DeviceInfo& device);
+
+struct SelectPlan {
+  bool tensor_core_scoring = false;  // topk_score fills the workspace 64-row query tiles at a time
+  int64_t workspace_bytes = 0;       // the fp32 score workspace (bounded: never B * H * Lq * Lk)
+  int64_t scores_stride = 0;         // floats per workspace row (>= Lk, a multiple of 4)
+  // Tensor-core scoring: query tiles over (B, Hs, ceil(Lq / 64)), per_chunk of them at a time;
+  // CUDA-core scoring: rows over (B, Hs, Lq), per_chunk of them at a time.
+  int64_t units = 0, per_chunk = 0;
+  int n_qtiles = 0;   // query tiles per (b, hs) plane
+  int key_tiles = 0;  // 64-key tiles
+  int sms = 0;
+  const char* why = "";
+};
+
+// topk_select / indexer_select on CUDA (the CPU selects row by row without a workspace).
+SelectPlan plan_select(const TopkSelectParams& params, const DeviceInfo& device, const PlanOptions& options);
+
+// CTAs per query tile of a scoring launch of n tiles: about 16 CTAs per SM (4 waves of 4): the
+// causal triangle makes CTAs unequal, and few waves leave a ragged last one.
+int select_score_splits(const SelectPlan& plan, int64_t n);
+
+const char* core_name(Core core);
+const char* schedule_name(Schedule schedule);
+
+}  // namespace sparse_attn

@@ -1,0 +1,279 @@
+// The plan layer's decisions (plan.h): every choice of core, tile shape, schedule and option for
+// the attention kernels is made here, once per call, from the params, the device and the
+// overrides. Measurements behind the thresholds: docs/PERF_LOG.md.
+#include "sparse_attn/plan.h"
+
+#include <algorithm>
+
+namespace sparse_attn {
+namespace {
+
+// TMA wants a 16-byte aligned base and strides that are multiples of 16 bytes (8 elements of a
+// 16-bit type); a dimension of size 1 may have any stride (the descriptor replaces it).
+bool tma_layout_ok(const void* base, int64_t row_stride, int64_t head_stride, int heads, int64_t batch_stride,
+                   int batch) {
+  auto ok = [](int64_t stride, int size) { return size == 1 || (stride > 0 && stride % 8 == 0); };
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && row_stride > 0 && row_stride % 8 == 0 &&
+         ok(head_stride, heads) && ok(batch_stride, batch);
+}
+
+// Why the Hopper core cannot serve this call, or nullptr when it can.
+const char* hopper_refusal(const AttnFwdParams& p, Variant v, const DeviceInfo& dev, const PlanOptions& opt) {
+  if (dev.cc != 90) return "portable mma.sync core: the device is not compute capability 9.0";
+  if (!dev.sm90_kernels)
+    return "portable mma.sync core: this build holds no sm_90a kernels (TORCH_CUDA_ARCH_LIST)";
+  if (opt.portable_only) return "portable mma.sync core: forced by the plan options";
+  if (p.d != p.dv || p.d > 128)
+    return "portable mma.sync core: the Hopper core takes head dims up to 128 with Dv == D";
+  if (v == Variant::kBlockSparse && (p.q_block != 128 || p.kv_block != 128))
+    return "portable mma.sync core: the Hopper core takes block-sparse masks of 128 x 128 blocks only";
+  if (!dev.tma) return "portable mma.sync core: the driver cannot encode TMA descriptors";
+  const bool aligned = tma_layout_ok(p.q, p.q_row_stride, p.q_head_stride, p.h, p.q_batch_stride, p.b) &&
+                       tma_layout_ok(p.k, p.k_row_stride, p.k_head_stride, p.h_kv, p.k_batch_stride, p.b) &&
+                       tma_layout_ok(p.v, p.v_row_stride, p.v_head_stride, p.h_kv, p.v_batch_stride, p.b) &&
+                       tma_layout_ok(p.o, p.o_row_stride, p.o_head_stride, p.h, p.o_batch_stride, p.b);
+  if (!aligned) return "portable mma.sync core: a base or a stride is not 16-byte aligned for TMA";
+  return nullptr;
+}
+
+// Keys a query row of a band (a window with a left bound) can see; -1 for any other mask.
+int64_t band_keys(const AttnFwdParams& p) {
+  if (p.window_left < 0) return -1;
+  return int64_t(p.window_left) + 1 + (p.window_right >= 0 ? p.window_right : p.lk);
+}
+
+// Head dim 64, 128-row tiles, no band: 192-key tiles spread the per-tile work (row maxima, the
+// rescale, barriers) over 1.5x the scores, but a ragged last tile computes padding: taken when
+// the keys padded to 192 exceed those padded to 128 by at most 5 %. Causal and windowed attention
+// keep 128 keys (their diagonal tiles are masked; measured no gain).
+bool d64_prefers_192_keys(const AttnFwdParams& p) {
+  if (p.window_left >= 0 || p.window_right >= 0) return false;
+  const int64_t pad192 = (int64_t(p.lk) + 191) / 192 * 192, pad128 = (int64_t(p.lk) + 127) / 128 * 128;
+  return pad192 * 100 <= pad128 * 105;
+}
+
+// Head dim 64, dense family: 192-row tiles (three consumers) keep the tensor cores busier per
+// tile, 128-row tiles (two, ping-pong) quantise better into waves of one tile per SM. Takes 128
+// when its estimated time, rounds x the cost of a 128-row tile relative to a 192-row one, is
+// lower (0.72 with 128-key tiles, 0.66 with 192-key tiles: fits to measured times). A band of at
+// most 4096 keys per row takes 128 whatever the rounds: its tiles see few key tiles.
+void plan_d64_tile(FlashPlan& plan, const AttnFwdParams& p, int sms) {
+  if (const int64_t band = band_keys(p); band >= 0 && band <= 4096) {
+    plan.tile = FlashTile{128, 128, 12};
+    plan.why_tile =
+        "head dim 64, a band of at most 4096 keys per row: 128-row tiles (two consumers, ping-pong)";
+    return;
+  }
+  const bool keys192 = d64_prefers_192_keys(p);
+  const int64_t bh = int64_t(p.b) * p.h, n = std::max(sms, 1);
+  const int64_t rounds192 = ((int64_t(p.lq) + 191) / 192 * bh + n - 1) / n;
+  const int64_t rounds128 = ((int64_t(p.lq) + 127) / 128 * bh + n - 1) / n;
+  if (rounds128 * (keys192 ? 66 : 72) < rounds192 * 100) {
+    plan.tile = keys192 ? FlashTile{128, 192, 12} : FlashTile{128, 128, 12};
+    plan.why_tile =
+        keys192 ? "head dim 64: 128-row tiles fill the SMs in fewer rounds than 192-row ones; 192-key "
+                  "tiles spread the per-tile work (keys padded to 192 within 5 % of those padded to 128)"
+                : "head dim 64: 128-row tiles fill the SMs in fewer rounds than 192-row ones; 128-key "
+                  "tiles (a masked band, or keys that 192-key tiles would pad by more than 5 %)";
+    return;
+  }
+  plan.tile = FlashTile{192, 128, 16};
+  plan.why_tile =
+      "head dim 64: 192-row tiles (three consumers) keep the tensor cores busiest at this many tiles";
+}
+
+void plan_hopper_tile(FlashPlan& plan, const AttnFwdParams& p, Variant v, const DeviceInfo& dev,
+                      const PlanOptions& opt) {
+  const FlashTileSet set = flash_fwd_sm90_tiles(padded_head_dim(p.d), v);
+  plan.tile = set.tiles[0];
+  plan.why_tile = "the Hopper tile of this head dim and variant: 128 query rows (two consumers) x 128 keys";
+  if (set.count > 1) plan_d64_tile(plan, p, dev.sms);  // head dim 64, dense family
+  if (opt.block_m > 0 || opt.block_n > 0) {
+    const int m = opt.block_m > 0 ? opt.block_m : plan.tile.block_m;
+    const int n = opt.block_n > 0 ? opt.block_n : plan.tile.block_n;
+    for (int i = 0; i < set.count; ++i) {
+      if (set.tiles[i].block_m == m && set.tiles[i].block_n == n) {
+        plan.tile = set.tiles[i];
+        plan.why_tile = "forced by the plan options";
+      }
+    }
+  }
+}
+
+}  // namespace
+
+PlanOptions& plan_options() {
+  static PlanOptions options;
+  return options;
+}
+
+FlashPlan plan_flash(const AttnFwdParams& p, Variant v, const DeviceInfo& dev, const PlanOptions& opt) {
+  FlashPlan plan;
+  plan.variant = v;
+  if (dev.cc == 0) {
+    plan.core = Core::kCpu;
+    plan.tile = flash_fwd_cpu_tile();
+    plan.why_core = "CPU tensors: the OpenMP core";
+    plan.why_tile = "one thread's tile of scores";
+    plan.why_schedule = "OpenMP threads take (batch, head, query tile)s dynamically";
+    return plan;
+  }
+  plan.schedule = Schedule::kPerTile;
+  plan.why_schedule = "one CTA per query tile";
+  if (p.dtype == ScalarKind::kFloat32) {
+    plan.core = Core::kCudaCores;
+    plan.tile = flash_fwd_fp32_tile();
+    plan.why_core = "fp32 inputs: exact fp32 arithmetic on the CUDA cores";
+    plan.why_tile = "one warp per 4 query rows, keys 32 at a time";
+    return plan;
+  }
+  if (const char* refusal = hopper_refusal(p, v, dev, opt); refusal != nullptr) {
+    plan.core = Core::kPortable;
+    plan.tile = flash_fwd_tile(padded_head_dim(p.d), v, v == Variant::kBlockSparse ? p.q_block : 128);
+    plan.why_core = refusal;
+    plan.why_tile = v == Variant::kBlockSparse ? "the mask's query block; 64-key tiles divide every key block"
+                                               : "the portable tile of this head dim";
+    return plan;
+  }
+  plan.core = Core::kHopper;
+  plan.persistent_ctas = std::max(dev.sms, 1);
+  plan.why_core = "compute capability 9.0, sm_90a kernels, TMA-aligned inputs: the Hopper core";
+  plan_hopper_tile(plan, p, v, dev, opt);
+  const bool uneven = v == Variant::kBlockSparse || p.window_left >= 0 || p.window_right >= 0;
+  if (opt.per_tile_grid) {
+    plan.schedule = Schedule::kPerTile;
+    plan.why_schedule = "one CTA per tile: forced by the plan options";
+  } else if (uneven) {
+    plan.schedule = Schedule::kDynamic;
+    plan.why_schedule =
+        "uneven tiles (causal, window or block-sparse): persistent CTAs take tiles heaviest first from a "
+        "counter";
+  } else {
+    plan.schedule = Schedule::kRoundRobin;
+    plan.why_schedule = "even tiles: persistent CTAs, one per SM, round-robin";
+  }
+  // Merged tile boundary: worth it where tiles are short (block-sparse masks, bands of at most
+  // 1024 keys per row); dense and causal attention measured slightly slower with it. Two
+  // consumers only: the three-consumer kernel has no turns to merge.
+  const int64_t band = band_keys(p);
+  const bool short_tiles = v == Variant::kBlockSparse || (band >= 0 && band <= 1024);
+  plan.merge_boundary =
+      plan.tile.block_m == 128 && (opt.merge_boundary >= 0 ? opt.merge_boundary != 0 : short_tiles);
+  return plan;
+}
+
+GatherPlan plan_gather(const AttnFwdParams& p, const DeviceInfo& dev) {
+  GatherPlan plan;
+  if (dev.cc == 0) {
+    plan.why = "CPU tensors: one thread per query row";
+    return plan;
+  }
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  auto mult8 = [](int64_t bs, int64_t hs, int64_t rs) { return bs % 8 == 0 && hs % 8 == 0 && rs % 8 == 0; };
+  const bool shape_ok = p.dtype != ScalarKind::kFloat32 && p.d == p.dv && p.d <= 128;
+  const bool layout_ok = aligned(p.q) && aligned(p.k) && aligned(p.v) && aligned(p.o) &&
+                         mult8(p.q_batch_stride, p.q_head_stride, p.q_row_stride) &&
+                         mult8(p.k_batch_stride, p.k_head_stride, p.k_row_stride) &&
+                         mult8(p.v_batch_stride, p.v_head_stride, p.v_row_stride) &&
+                         mult8(p.o_batch_stride, p.o_head_stride, p.o_row_stride);
+  if (!shape_ok || !layout_ok) {
+    plan.core = Core::kCudaCores;
+    plan.why = p.dtype == ScalarKind::kFloat32 ? "fp32 inputs: one warp per query row on the CUDA cores"
+               : !shape_ok ? "head dim above 128 or Dv != D: one warp per query row on the CUDA cores"
+                           : "rows not 16-byte aligned: one warp per query row on the CUDA cores";
+    return plan;
+  }
+  plan.core = Core::kPortable;
+  plan.head_dim = p.d <= 64 ? 64 : 128;
+  // Heads per warp: the longest aligned run of heads sharing a kv head and an index set
+  // (gcd(H / Hkv, H / Hi)), cut to its largest divisor <= 16.
+  int a = p.h_per_kv, c = p.h_per_idx;
+  while (c != 0) {
+    const int r = a % c;
+    a = c;
+    c = r;
+  }
+  a = std::max(a, 1);
+  plan.group = std::min(a, kGatherMmaRows);
+  while (a % plan.group != 0) --plan.group;
+  plan.why = "tensor cores: each selected K/V row is loaded once for the query heads that share it";
+  return plan;
+}
+
+SelectPlan plan_select(const TopkSelectParams& p, const DeviceInfo& dev, const PlanOptions& opt) {
+  SelectPlan plan;
+  const int64_t rows = int64_t(p.b) * p.h_sel * p.lq;
+  const int64_t budget = opt.select_workspace_bytes > 0 ? opt.select_workspace_bytes
+                                                        : topk_select_workspace_bytes(rows * p.topk * 4);
+  plan.scores_stride = (int64_t(p.lk) + 3) / 4 * 4;
+  plan.sms = std::max(dev.sms, 1);
+  plan.key_tiles = int((int64_t(p.lk) + kTopkScoreBlockN - 1) / kTopkScoreBlockN);
+  const int64_t tile_bytes = int64_t(kTopkScoreBlockM) * plan.scores_stride * 4;
+  // The tensor-core scorer takes 16-bit inputs of dimension <= 128 with 16-byte aligned rows,
+  // when the tile's query heads (HI for the indexer) fit in shared memory and a tile's scores fit
+  // in the workspace.
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  auto mult8 = [](int64_t a, int64_t b, int64_t c) { return a % 8 == 0 && b % 8 == 0 && c % 8 == 0; };
+  const bool layout_ok = p.indexer ? aligned(p.iq) && aligned(p.ik) &&
+                                         mult8(p.iq_batch_stride, p.iq_row_stride, p.iq_head_stride) &&
+                                         mult8(p.ik_batch_stride, p.ik_row_stride, 0)
+                                   : aligned(p.q) && aligned(p.k) &&
+                                         mult8(p.q_batch_stride, p.q_head_stride, p.q_row_stride) &&
+                                         mult8(p.k_batch_stride, p.k_head_stride, p.k_row_stride);
+  const int64_t heads = p.indexer ? p.hi : 1, dim = topk_score_dim(p);
+  const int64_t smem =
+      (2 * kTopkScoreBlockN + heads * kTopkScoreBlockM) * dim * 2 + kTopkScoreBlockM * heads * 4;
+  const bool tensor_cores =
+      p.dtype != ScalarKind::kFloat32 && (p.indexer ? p.di : p.d) <= 128 && layout_ok && smem <= 200 * 1024;
+  if (tensor_cores && tile_bytes <= budget) {
+    plan.tensor_core_scoring = true;
+    plan.n_qtiles = int((int64_t(p.lq) + kTopkScoreBlockM - 1) / kTopkScoreBlockM);
+    plan.units = int64_t(p.b) * p.h_sel * plan.n_qtiles;
+    plan.per_chunk = std::max<int64_t>(1, std::min(plan.units, budget / tile_bytes));
+    plan.workspace_bytes = plan.per_chunk * tile_bytes;
+    plan.why =
+        "tensor-core scoring of 64-row query tiles into a bounded workspace, then a radix select per row";
+    return plan;
+  }
+  plan.units = rows;
+  plan.per_chunk = std::clamp<int64_t>(budget / (plan.scores_stride * 4), 1, std::max<int64_t>(rows, 1));
+  plan.workspace_bytes = plan.per_chunk * plan.scores_stride * 4;
+  plan.why = tensor_cores
+                 ? "the workspace holds less than one 64-row tile: each select CTA scores its own row"
+                 : "fp32, dimension above 128, misaligned rows or too many indexer heads: each select CTA "
+                   "scores its own row on the CUDA cores";
+  return plan;
+}
+
+int select_score_splits(const SelectPlan& plan, int64_t n) {
+  return int(std::clamp<int64_t>((16 * int64_t(plan.sms) + n - 1) / std::max<int64_t>(n, 1), 1,
+                                 std::max(plan.key_tiles, 1)));
+}
+
+const char* core_name(Core core) {
+  switch (core) {
+    case Core::kCpu:
+      return "cpu";
+    case Core::kCudaCores:
+      return "cuda_cores";
+    case Core::kPortable:
+      return "portable";
+    case Core::kHopper:
+      return "hopper";
+  }
+  return "?";
+}
+
+const char* schedule_name(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::kPerTile:
+      return "per_tile";
+    case Schedule::kRoundRobin:
+      return "round_robin";
+    case Schedule::kDynamic:
+      return "dynamic";
+  }
+  return "?";
+}
+
+}  // namespace sparse_attn

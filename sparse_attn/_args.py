@@ -1,0 +1,110 @@
+"""Argument normalisation shared by the public ops and ``sparse_attn.explain``: what the user
+passed, turned into what the routes and kernels take. Value checks of the tensors themselves are
+the C++ glue's (one set of messages, csrc/api/common.cpp)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .masks import BlockSparseMask
+
+_ops = torch.ops.sparse_attn
+
+_LAYOUT = {"query": "(B, H, Lq, D)", "key": "(B, Hkv, Lk, D)", "value": "(B, Hkv, Lk, Dv)"}
+
+
+def check_4d(**tensors) -> None:
+    """Each argument is a 4-D tensor (before Python reads its shape)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {_LAYOUT[name]}, got {t.dim()}-D")
+
+
+def check_inputs(query, key, value) -> None:
+    """The kernels' checks of query, key and value, run before Python code that reads them
+    (block top-k's pooling): the glue's check_qkv, through sparse_attn::_check_inputs."""
+    check_4d(query=query, key=key, value=value)
+    _ops._check_inputs.default(query, key, value)
+
+
+def scale(value) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(value).__name__}")
+    return None if value is None else float(value)
+
+
+def window_bounds(window) -> tuple[int, int]:
+    """``flash_attention``'s window as the kernels' (left, right) bounds, -1 = unbounded."""
+    if window is None:
+        return -1, -1
+    if isinstance(window, int):
+        window = (window, window)
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}") from None
+    bounds = []
+    for name, w in (("left", left), ("right", right)):
+        if w is None or (isinstance(w, int) and w == -1):
+            bounds.append(-1)
+        elif isinstance(w, int) and not isinstance(w, bool) and w >= 0:
+            bounds.append(w)
+        else:
+            raise ValueError(f"window {name} bound must be a non-negative int or None (unbounded), got {w!r}")
+    return bounds[0], bounds[1]
+
+
+def matrix_block_size(mask: torch.Tensor, lq: int, lk: int) -> int:
+    """The block size (128, else 64) whose grid a bool block matrix has for (Lq, Lk)."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"a tensor mask must be a bool block matrix, got dtype {mask.dtype}")
+    nq, nk = mask.shape[-2:]
+    sizes = [b for b in (128, 64) if math.ceil(lq / b) == nq and math.ceil(lk / b) == nk]
+    if not sizes:
+        raise ValueError(
+            f"block matrix of shape {tuple(mask.shape)} matches neither 64 nor 128 blocks for Lq={lq}, Lk={lk}"
+        )
+    return sizes[0]
+
+
+def is_flex_block_mask(mask) -> bool:
+    return type(mask).__name__ == "BlockMask"
+
+
+def check_mask_kind(mask) -> None:
+    if not (isinstance(mask, (BlockSparseMask, torch.Tensor)) or is_flex_block_mask(mask)):
+        raise TypeError(
+            "mask must be a BlockSparseMask, a FlexAttention BlockMask or a bool block matrix, "
+            f"got {type(mask).__name__}"
+        )
+
+
+def check_mask_lengths(seq_lengths, lq: int, lk: int) -> None:
+    if tuple(seq_lengths) != (lq, lk):
+        raise ValueError(
+            f"mask was built for seq_lengths {tuple(seq_lengths)} but query/key have Lq={lq}, Lk={lk}; "
+            "build the mask for these lengths"
+        )
+
+
+def block_sparse_mask(mask, query: torch.Tensor, key: torch.Tensor) -> BlockSparseMask:
+    """``block_sparse_attention``'s mask argument as a BlockSparseMask for (Lq, Lk) on the query's
+    device (a FlexAttention BlockMask is converted: its mask_mod evaluated on partial blocks)."""
+    check_4d(query=query, key=key)
+    check_mask_kind(mask)
+    lq, lk = query.shape[-2], key.shape[-2]
+    if isinstance(mask, BlockSparseMask):
+        result = mask
+    elif isinstance(mask, torch.Tensor):
+        size = matrix_block_size(mask, lq, lk)
+        result = BlockSparseMask.from_block_matrix(mask, seq_lengths=(lq, lk), block_size=size)
+    else:
+        result = BlockSparseMask.from_flex(mask)
+    check_mask_lengths(result.seq_lengths, lq, lk)
+    if result.device != query.device:  # checked here for every route, not only by the block kernel
+        raise RuntimeError(f"mask must be on the same device as query ({query.device}), got {result.device}")
+    return result

@@ -1,0 +1,352 @@
+"""The plan of a call: the route it takes (decided here, once per call, by one function per op)
+and, for each kernel launch of the route, the core, tile, schedule and options (decided in C++ by
+csrc/plan/plan.cpp and reported by the ``sparse_attn::_plan_*`` ops). :func:`explain` puts both
+together without running anything; :func:`overrides` sets the C++ plan's test and benchmark
+overrides."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _args
+from .masks import BlockSparseMask
+
+__all__ = ["Launch", "Plan", "Route", "explain", "overrides"]
+
+_ops = torch.ops.sparse_attn
+
+
+# ------------------------------------------------------------------------------------ routes
+@dataclass(frozen=True)
+class Route:
+    """What a call runs as: ``kind`` with its parameters ``args``, and why."""
+
+    kind: str
+    args: tuple = ()
+    why: str = ""
+
+
+def block_sparse_route(mask: BlockSparseMask, key: torch.Tensor, value: torch.Tensor) -> Route:
+    """A mask exactly as a pattern built it runs as that pattern's attention (masks.ExactForm);
+    any other mask through the block-sparse kernel. (With a value that does not match the key the
+    kernel's checks report it.)"""
+    form = mask.exact_form
+    if form is not None and value.dim() == 4 and value.shape[-2] == key.shape[-2]:
+        if form.kind == "causal":
+            return Route(
+                "flash_causal", (), "the mask is patterns.causal's: flash_attention(causal=True), no block lists"
+            )
+        if form.kind == "window":
+            return Route(
+                "flash_window",
+                (form.a, form.b),
+                f"the mask is patterns.sliding_window's: flash_attention(window=({form.a}, {form.b})), no block lists",
+            )
+        if form.kind == "dilated":
+            return Route(
+                "dilated",
+                (form.a, form.b),
+                f"the mask is patterns.dilated's: one sliding window per residue class mod {form.b} "
+                "(strided views, no masked pairs)",
+            )
+        return Route(
+            "dilated_2d",
+            (form.a, form.b),
+            f"the mask is patterns.dilated_2d's: dense attention over the positions of each segment of {form.a} "
+            f"that are multiples of {form.b} (no masked pairs)",
+        )
+    return Route(
+        "block_kernel",
+        (mask.q_block, mask.kv_block),
+        "a block mask: the block-sparse kernel over its lists (full blocks unmasked, partial blocks bit-masked)",
+    )
+
+
+def topk_route(block_size: int | None, indexer: bool) -> Route:
+    if block_size is not None:
+        return Route(
+            "block_topk",
+            (block_size,),
+            "block mode: top-k key blocks per query block from mean-pooled scores, then the block-sparse kernel",
+        )
+    if indexer:
+        return Route(
+            "indexer_topk",
+            (),
+            "token mode with the lightning indexer: one index set per token for every head, then gathered attention",
+        )
+    return Route(
+        "token_topk", (), "token mode: the k largest q.k per query head among visible keys, then gathered attention"
+    )
+
+
+# ------------------------------------------------------------------------------------ plans
+@dataclass(frozen=True)
+class Launch:
+    """One kernel (``count`` launches of it) of a plan, as csrc/plan/plan.cpp decides it."""
+
+    kernel: str
+    core: str
+    tile: tuple[int, int] | None = None
+    schedule: str | None = None
+    options: dict[str, int] = field(default_factory=dict)
+    why: tuple[str, ...] = ()
+    count: int = 1
+
+    def __str__(self) -> str:
+        head = [f"{self.kernel}" + (f" x{self.count}" if self.count != 1 else ""), f"core={self.core}"]
+        if self.tile is not None:
+            head.append(f"tile={self.tile[0]}x{self.tile[1]}")
+        if self.schedule is not None:
+            head.append(f"schedule={self.schedule}")
+        head += [f"{k}={v}" for k, v in self.options.items()]
+        return "  ".join(head) + "".join(f"\n    - {w}" for w in self.why)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a call of ``op`` would run: its route, why, and its kernel launches in order."""
+
+    op: str
+    route: str
+    why: str
+    launches: tuple[Launch, ...]
+
+    def __str__(self) -> str:
+        lines = [f"{self.op}: route {self.route}", f"  why: {self.why}"]
+        lines += [f"  {launch}" for launch in self.launches]
+        return "\n".join(lines)
+
+
+def _launch(kernel: str, text: str, count: int = 1) -> Launch:
+    """A Launch from a _plan_* op's "key=value" lines."""
+    fields = dict(line.split("=", 1) for line in text.splitlines())
+    why = tuple(fields.pop(k) for k in ("why_core", "why_tile", "why_schedule") if fields.get(k))
+    core = fields.pop("core")
+    tile = fields.pop("tile", None)
+    schedule = fields.pop("schedule", None)
+    options = {k: int(v) for k, v in fields.items()}
+    shape = tuple(int(x) for x in tile.split("x")) if tile is not None else None
+    return Launch(kernel, core, shape, schedule, options, why, count)
+
+
+# Targets of explain(..., target=...): compute capability and SMs.
+_TARGETS = {"sm80": (80, 108), "sm90": (90, 132)}
+
+
+def _target(target) -> tuple[int, int]:
+    if target is None:
+        return 0, 0
+    if target not in _TARGETS:
+        raise ValueError(f"target must be None or one of {sorted(_TARGETS)}, got {target!r}")
+    return _TARGETS[target]
+
+
+def _flash_launch(q, k, v, causal, left, right, tgt, count=1) -> Launch:
+    return _launch("flash_fwd", _ops._plan_flash.default(q, k, v, causal, left, right, *tgt), count)
+
+
+def _explain_dense(a, tgt) -> Plan:
+    q, k, v = a["query"], a["key"], a["value"]
+    _args.check_inputs(q, k, v)
+    gpu = q.is_cuda or tgt[0] > 0
+    why = "S = scale * Q K^T in fp32, softmax, then P V" + (" as cuBLAS GEMMs" if gpu else " on the CPU")
+    launch = Launch("dense_fwd", "cublas" if gpu else "cpu", why=(why,))
+    return Plan(
+        "dense_attention", "dense", "the naive baseline: materialises the (B, H, Lq, Lk) score matrix", (launch,)
+    )
+
+
+def _explain_flash(a, tgt) -> Plan:
+    q, k, v = a["query"], a["key"], a["value"]
+    _args.check_4d(query=q, key=k, value=v)
+    left, right = _args.window_bounds(a["window"])
+    causal = bool(a["causal"])
+    why = "tiled attention with an online softmax" + (", causal" if causal else "")
+    if left >= 0 or right >= 0:
+        why += f", window (left={left}, right={right}; -1 unbounded)"
+    return Plan("flash_attention", "flash", why, (_flash_launch(q, k, v, causal, left, right, tgt),))
+
+
+def _explain_block_sparse(a, tgt) -> Plan:
+    q, k, v, mask = a["query"], a["key"], a["value"], a["mask"]
+    _args.check_4d(query=q, key=k, value=v)
+    _args.check_mask_kind(mask)
+    lq, lk = q.shape[2], k.shape[2]
+    if isinstance(mask, BlockSparseMask):
+        _args.check_mask_lengths(mask.seq_lengths, lq, lk)
+        route = block_sparse_route(mask, k, v)
+    else:  # a block matrix or a Flex BlockMask: a plain block mask (converted on every call)
+        if isinstance(mask, torch.Tensor):
+            size = (_args.matrix_block_size(mask, lq, lk),) * 2
+            why = "a bool block matrix: the block-sparse kernel over its full blocks"
+        else:
+            size = tuple(mask.BLOCK_SIZE) if isinstance(mask.BLOCK_SIZE, tuple) else (mask.BLOCK_SIZE,) * 2
+            _args.check_mask_lengths(mask.seq_lengths, lq, lk)
+            why = (
+                "a FlexAttention BlockMask, converted on every call (convert once with "
+                "BlockSparseMask.from_flex): the block-sparse kernel over its lists"
+            )
+        route = Route("block_kernel", size, why)
+    if route.kind == "flash_causal":
+        launches = (_flash_launch(q, k, v, True, -1, -1, tgt),)
+    elif route.kind == "flash_window":
+        launches = (_flash_launch(q, k, v, False, *route.args, tgt),)
+    elif route.kind == "dilated":
+        from ._routes import dilated_half_window
+
+        window, r = route.args
+        half = dilated_half_window(window, r)
+        views = [x[:, :, 0::r] for x in (q, k, v)]
+        launches = (_flash_launch(*views, False, half, half, tgt, count=min(r, lq)),)
+    elif route.kind == "dilated_2d":
+        from ._routes import dilated_2d_batch
+
+        segment, r = route.args
+        launches = ()
+        if lq // segment > 0:
+            batch = [dilated_2d_batch(x, segment, r, data=False) for x in (q, k, v)]
+            launches += (_flash_launch(*batch, False, -1, -1, tgt),)
+        if lq % segment:
+            tail = [x[:, :, lq // segment * segment :: r] for x in (q, k, v)]
+            launches += (_flash_launch(*tail, False, -1, -1, tgt),)
+    else:
+        text = _ops._plan_block_sparse.default(q, k, v, route.args[0], route.args[1], *tgt)
+        launches = (_launch("block_sparse_fwd", text),)
+    return Plan("block_sparse_attention", route.kind, route.why, launches)
+
+
+def _explain_topk(a, tgt) -> Plan:
+    q, k, v = a["query"], a["key"], a["value"]
+    indexer = [a[n] is not None for n in ("index_query", "index_key", "index_weights")]
+    if any(indexer) and not all(indexer):
+        raise ValueError("index_query, index_key and index_weights must be given together")
+    route = topk_route(a["block_size"], all(indexer))
+    causal = bool(a["causal"])
+    if route.kind == "block_topk":
+        _args.check_inputs(q, k, v)
+        bs = route.args[0]
+        pool = Launch(
+            "block_topk_scores", "torch", why=("mean-pooled blocks scored by one matmul; top-k per block row",)
+        )
+        text = _ops._plan_block_sparse.default(q, k, v, bs, bs, *tgt)
+        return Plan("topk_attention", route.kind, route.why, (pool, _launch("block_sparse_fwd", text)))
+    if route.kind == "indexer_topk":
+        iq, ik, iw = a["index_query"], a["index_key"], a["index_weights"]
+        select = _launch("indexer_select", _ops._plan_indexer_select.default(iq, ik, iw, a["k"], causal, *tgt))
+        heads = 1
+    else:
+        select = _launch("topk_select", _ops._plan_select.default(q, k, a["k"], causal, *tgt))
+        heads = q.shape[1]
+    gather = _launch("gather_fwd", _ops._plan_gather.default(q, k, v, heads, *tgt))
+    return Plan("topk_attention", route.kind, route.why, (select, gather))
+
+
+_EXPLAIN = {
+    "dense_attention": _explain_dense,
+    "flash_attention": _explain_flash,
+    "block_sparse_attention": _explain_block_sparse,
+    "topk_attention": _explain_topk,
+}
+
+
+def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
+    """The plan a call ``op(*args, **kwargs)`` would take, without running it.
+
+    Names the route (e.g. a ``patterns.sliding_window`` mask runs as ``flash_attention`` with its
+    window) and each kernel launch: the core (``hopper``, ``portable`` mma.sync, ``cuda_cores``,
+    ``cpu``), tile, schedule and options, each with the reason it was chosen. The inputs are
+    checked as the op checks them; no attention kernel runs (inputs a kernel would copy for
+    alignment are planned on an uninitialised tensor of the copy's layout).
+
+    Parameters
+    ----------
+    op : callable or str
+        One of the four ops (``sparse_attn.flash_attention`` or ``"flash_attention"``, ...).
+    *args, **kwargs
+        The op's arguments, exactly as the call would pass them.
+    target : {"sm80", "sm90"}, optional
+        Plan for that GPU (an A100 with 108 SMs, an H100 with 132) instead of the inputs' device:
+        what a call would do on a GPU this machine does not have.
+
+    Returns
+    -------
+    Plan
+        ``route``, ``why`` and ``launches`` (each a :class:`Launch`: ``kernel``, ``core``, ``tile``,
+        ``schedule``, ``options``, ``why``, ``count``); ``print(plan)`` shows all of it.
+
+    Examples
+    --------
+    >>> import torch, sparse_attn
+    >>> from sparse_attn import patterns
+    >>> q = k = v = torch.randn(1, 2, 1024, 64, dtype=torch.bfloat16)
+    >>> plan = sparse_attn.explain(sparse_attn.block_sparse_attention, q, k, v, patterns.sliding_window(1024, 256))
+    >>> plan.route
+    'flash_window'
+    >>> sparse_attn.explain("flash_attention", q, k, v, causal=True, target="sm90").launches[0].core
+    'hopper'
+    """
+    from . import ops
+
+    name = op if isinstance(op, str) else getattr(op, "__name__", None)
+    if name not in _EXPLAIN:
+        raise ValueError(f"op must be one of {sorted(_EXPLAIN)} (or the function), got {op!r}")
+    bound = inspect.signature(getattr(ops, name)).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return _EXPLAIN[name](bound.arguments, _target(target))
+
+
+# ------------------------------------------------------------------------------------ overrides
+_DEFAULTS = {
+    "portable_only": False,
+    "tile": None,
+    "per_tile_grid": False,
+    "merge_boundary": None,
+    "select_workspace_bytes": 0,
+}
+_current = dict(_DEFAULTS)
+
+
+def _apply(options: dict) -> None:
+    block_m, block_n = options["tile"] or (0, 0)
+    merge = options["merge_boundary"]
+    _ops._set_plan_options.default(
+        bool(options["portable_only"]),
+        int(block_m),
+        int(block_n),
+        bool(options["per_tile_grid"]),
+        -1 if merge is None else int(bool(merge)),
+        int(options["select_workspace_bytes"]),
+    )
+
+
+@contextlib.contextmanager
+def overrides(**changes):
+    """Override the C++ plan's choices inside a ``with`` block (tests and benchmarks; the process
+    holds one set, so do not use it from concurrent threads):
+
+    - ``portable_only=True``: never the Hopper core;
+    - ``tile=(block_m, block_n)``: a Hopper tile of the table (head dim 64: (192, 128),
+      (128, 128), (128, 192)), taken where the table has it;
+    - ``per_tile_grid=True``: the Hopper core with one CTA per tile instead of persistent CTAs;
+    - ``merge_boundary=True/False``: the Hopper core's merged tile boundary on or off;
+    - ``select_workspace_bytes=n``: top-k selection's score workspace.
+
+    ``explain`` shows the plan with them in force.
+    """
+    unknown = set(changes) - set(_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown plan options {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+    previous = dict(_current)
+    _current.update(changes)
+    _apply(_current)
+    try:
+        yield
+    finally:
+        _current.clear()
+        _current.update(previous)
+        _apply(previous)

@@ -1,0 +1,178 @@
+"""The routes the plan chooses (``_plan.py``), as calls of the registered kernels. A route decides
+nothing: which one runs, and why, is ``_plan``'s answer; how each launch runs is the C++ plan's
+(csrc/plan/plan.cpp)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .masks import _FULL, _NONE, BlockSparseMask
+from .patterns import causal as _causal_pattern
+
+_ops = torch.ops.sparse_attn
+
+
+def flash(query, key, value, scale, causal: bool = False, left: int = -1, right: int = -1):
+    return _ops.flash_fwd.default(query, key, value, scale, causal, left, right)
+
+
+def dilated_half_window(window: int, dilation: int) -> int:
+    """The window, in positions of one residue class, of ``patterns.dilated(L, window, dilation)``."""
+    return -(-window // dilation) - 1
+
+
+def dilated(query, key, value, window: int, dilation: int, scale):
+    """patterns.dilated's mask (|i - j| < window, i = j mod dilation; Lq = Lk) as one sliding window
+    per residue class c: queries and keys c, c + dilation, ... (strided views, read in place) with
+    |a - b| <= ceil(window / dilation) - 1 between their positions a, b in the class. Every pair
+    computed is visible, where the block mask's partial blocks compute `dilation` times as many."""
+    half = dilated_half_window(window, dilation)
+    b, h, lq = query.shape[:3]
+    out = torch.empty(b, lq, h, value.shape[-1], dtype=query.dtype, device=query.device).transpose(1, 2)
+    lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
+    for c in range(min(dilation, lq)):
+        o_c, lse_c = flash(
+            query[:, :, c::dilation], key[:, :, c::dilation], value[:, :, c::dilation], scale, False, half, half
+        )
+        out[:, :, c::dilation] = o_c
+        lse[:, :, c::dilation] = lse_c
+    return out, lse
+
+
+def dilated_2d_positions(x: torch.Tensor, segment: int, dilation: int) -> torch.Tensor:
+    """(B, H, L, ...) -> (B, H, whole segments, ceil(segment / dilation), ...): the attending
+    positions of patterns.dilated_2d's whole segments, a view."""
+    whole = x.shape[2] // segment
+    return x[:, :, : whole * segment].unflatten(2, (whole, segment))[:, :, :, ::dilation]
+
+
+def dilated_2d_batch(x: torch.Tensor, segment: int, dilation: int, data: bool = True) -> torch.Tensor:
+    """The whole segments' attending positions as one batch, (B * whole, H, ceil(segment / dilation),
+    ...): a copy (data=False: an uninitialised tensor of the copy's layout, for planning)."""
+    view = dilated_2d_positions(x, segment, dilation).transpose(1, 2)
+    if data:
+        return view.flatten(0, 1)
+    return torch.empty((view.shape[0] * view.shape[1], *view.shape[2:]), dtype=x.dtype, device=x.device)
+
+
+def dilated_2d(query, key, value, segment: int, dilation: int, scale):
+    """patterns.dilated_2d's mask (i, j in one segment, both at positions that are multiples of
+    dilation within it; Lq = Lk) as dense attention per segment over those positions. The whole
+    segments are gathered into one batch (segments x batch, a copy of 1 / dilation of Q, K and V:
+    one launch that fills the GPU), the ragged last segment runs on strided views; rows at other
+    positions see no key (0, LSE -inf)."""
+    b, h, lq = query.shape[:3]
+    out = torch.zeros(b, lq, h, value.shape[-1], dtype=query.dtype, device=query.device).transpose(1, 2)
+    lse = torch.full((b, h, lq), -math.inf, dtype=torch.float32, device=query.device)
+    whole = lq // segment
+    if whole > 0:
+        q, k, v = (dilated_2d_batch(x, segment, dilation) for x in (query, key, value))
+        o, l_ = flash(q, k, v, scale)
+        dilated_2d_positions(out, segment, dilation).copy_(o.unflatten(0, (b, whole)).transpose(1, 2))
+        dilated_2d_positions(lse, segment, dilation).copy_(l_.unflatten(0, (b, whole)).transpose(1, 2))
+    if whole * segment < lq:
+        tail = slice(whole * segment, lq, dilation)
+        o, l_ = flash(query[:, :, tail], key[:, :, tail], value[:, :, tail], scale)
+        out[:, :, tail] = o
+        lse[:, :, tail] = l_
+    return out, lse
+
+
+def schedule(m: BlockSparseMask) -> torch.Tensor:
+    """The CTA schedule of a mask (tile_of_cta), (nQb + 1,) int32: query blocks far heavier than
+    the mean (global-token rows) run first across every head, so they do not finish alone at the
+    end; the rest run one head at a time, heaviest first, so the CTAs in flight share that head's
+    K/V in L2. Made on the mask's device (no synchronisation) and kept on the mask: it is a few
+    small kernels, a noticeable share of a short sparse attention if paid on every call."""
+    if m._order is not None:
+        return m._order
+    weights = m.kv_num_blocks.amax(dim=(0, 1))
+    order = torch.argsort(weights, descending=True, stable=True)
+    heavy = (weights.float() > 2 * weights.float().mean()).sum().reshape(1)
+    order = torch.cat([order, heavy]).to(torch.int32)
+    if not torch.compiler.is_compiling():
+        m._order = order
+    return order
+
+
+def block_kernel(query, key, value, m: BlockSparseMask, scale):
+    return _ops.block_sparse_fwd.default(
+        query,
+        key,
+        value,
+        m.kv_num_blocks,
+        m.kv_indices,
+        m.kv_partial,
+        m.partial_masks,
+        m.q_block,
+        m.kv_block,
+        scale,
+        schedule(m),
+    )
+
+
+def block_topk_mask(query, key, k: int, block_size: int, causal: bool):
+    """Top-k key blocks per (batch, head, query block) from mean-pooled scores, as a mask.
+
+    Returns the mask and the chosen blocks (B, H, nQb, k'), int32, ascending, -1 padded (k' is k,
+    or k + 1 when causal needs two diagonal blocks). No host synchronisation: the mask's width is
+    known and its partial blocks are the causal pattern's."""
+    b, h, lq, d = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    nq, nk = math.ceil(lq / block_size), math.ceil(lk / block_size)
+    if min(b, h, lq, lk) == 0:  # nothing to select: an empty mask, outputs filled by the op
+        table = torch.full((1, 1, nq, nk), _NONE, dtype=torch.int32, device=query.device)
+        bits = torch.zeros(0, block_size, block_size // 32, dtype=torch.int32, device=query.device)
+        mask = BlockSparseMask._from_table(
+            table, bits, (lq, lk), (block_size, block_size), max_kv_blocks=0, compact=False
+        )
+        return mask, torch.full((b, h, nq, 0), -1, dtype=torch.int32, device=query.device)
+
+    def pool(x, n):
+        pad = n * block_size - x.shape[2]
+        xs = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).view(x.shape[0], x.shape[1], n, block_size, -1)
+        counts = (x.shape[2] - torch.arange(n, device=x.device) * block_size).clamp(max=block_size)
+        return xs.sum(3) / counts[:, None].to(torch.float32)
+
+    qp = pool(query, nq)
+    kp = pool(key, nk).repeat_interleave(h // hkv, dim=1)
+    scores = qp @ kp.transpose(-1, -2)  # (B, H, nQb, nKb)
+    neg = torch.finfo(torch.float32).min
+    kk = min(k, nk)
+    if causal:
+        # Every key block holding some row's diagonal key (i + Lk - Lq) is kept: one block when
+        # Lk - Lq is a multiple of the block size, else two, so a query block can get k + 1.
+        off = lk - lq
+        rows0 = torch.arange(nq, device=query.device) * block_size
+        first_diag = rows0 + off
+        last_diag = (rows0 + block_size - 1).clamp(max=lq - 1) + off
+        kb = torch.arange(nk, device=query.device)[None, :]
+        visible = kb * block_size <= last_diag[:, None]
+        diag = (
+            (kb >= first_diag.clamp(min=0)[:, None] // block_size)
+            & (kb <= last_diag[:, None] // block_size)
+            & (last_diag >= 0)[:, None]
+        )
+        scores = torch.where(visible, scores, float("-inf"))
+        scores = torch.where(diag, float("inf"), scores)
+        kk = min(max(k, 1 if off % block_size == 0 else 2), nk)
+    top = scores.topk(kk, dim=-1)
+    chosen = top.indices.to(torch.int32)
+    if causal:
+        chosen = torch.where(top.values > neg, chosen, -1)
+    chosen = torch.where(chosen < 0, nk, chosen).sort(-1).values
+    chosen = torch.where(chosen == nk, -1, chosen).to(torch.int32)
+    table = torch.full((b, h, nq, nk + 1), _NONE, dtype=torch.int32, device=query.device)
+    table.scatter_(-1, torch.where(chosen < 0, nk, chosen).long(), _FULL)
+    table = table[..., :nk]
+    if causal:
+        pattern = _causal_pattern(lq, lk, block_size=block_size, device=query.device, compact=False)
+        ctable = pattern.block_table()
+        table = torch.where(table == _FULL, ctable, table)
+        bits = pattern.partial_masks
+    else:
+        bits = torch.zeros(0, block_size, block_size // 32, dtype=torch.int32, device=query.device)
+    mask = BlockSparseMask._from_table(table, bits, (lq, lk), (block_size, block_size), max_kv_blocks=kk, compact=False)
+    return mask, chosen
