@@ -96,9 +96,11 @@ class Launch:
     options: dict[str, int] = field(default_factory=dict)
     why: tuple[str, ...] = ()
     count: int = 1
+    role: str = ""  # what this launch covers, where a route has several
 
     def __str__(self) -> str:
-        head = [f"{self.kernel}" + (f" x{self.count}" if self.count != 1 else ""), f"core={self.core}"]
+        name = self.kernel + (f" x{self.count}" if self.count != 1 else "") + (f" ({self.role})" if self.role else "")
+        head = [name, f"core={self.core}"]
         if self.tile is not None:
             head.append(f"tile={self.tile[0]}x{self.tile[1]}")
         if self.schedule is not None:
@@ -122,7 +124,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def _launch(kernel: str, text: str, count: int = 1) -> Launch:
+def _launch(kernel: str, text: str, count: int = 1, role: str = "") -> Launch:
     """A Launch from a _plan_* op's "key=value" lines."""
     fields = dict(line.split("=", 1) for line in text.splitlines())
     why = tuple(fields.pop(k) for k in ("why_core", "why_tile", "why_schedule") if fields.get(k))
@@ -131,7 +133,7 @@ def _launch(kernel: str, text: str, count: int = 1) -> Launch:
     schedule = fields.pop("schedule", None)
     options = {k: int(v) for k, v in fields.items()}
     shape = tuple(int(x) for x in tile.split("x")) if tile is not None else None
-    return Launch(kernel, core, shape, schedule, options, why, count)
+    return Launch(kernel, core, shape, schedule, options, why, count, role)
 
 
 # Targets of explain(..., target=...): compute capability and SMs.
@@ -146,8 +148,8 @@ def _target(target) -> tuple[int, int]:
     return _TARGETS[target]
 
 
-def _flash_launch(q, k, v, causal, left, right, tgt, count=1) -> Launch:
-    return _launch("flash_fwd", _ops._plan_flash.default(q, k, v, causal, left, right, *tgt), count)
+def _flash_launch(q, k, v, causal, left, right, tgt, count=1, role="") -> Launch:
+    return _launch("flash_fwd", _ops._plan_flash.default(q, k, v, causal, left, right, *tgt), count, role)
 
 
 def _explain_dense(a, tgt) -> Plan:
@@ -202,7 +204,7 @@ def _explain_block_sparse(a, tgt) -> Plan:
         window, r = route.args
         half = dilated_half_window(window, r)
         views = [x[:, :, 0::r] for x in (q, k, v)]
-        launches = (_flash_launch(*views, False, half, half, tgt, count=min(r, lq)),)
+        launches = (_flash_launch(*views, False, half, half, tgt, count=min(r, lq), role="one per residue class"),)
     elif route.kind == "dilated_2d":
         from ._routes import dilated_2d_batch
 
@@ -210,10 +212,10 @@ def _explain_block_sparse(a, tgt) -> Plan:
         launches = ()
         if lq // segment > 0:
             batch = [dilated_2d_batch(x, segment, r, data=False) for x in (q, k, v)]
-            launches += (_flash_launch(*batch, False, -1, -1, tgt),)
+            launches += (_flash_launch(*batch, False, -1, -1, tgt, role="whole segments as one batch"),)
         if lq % segment:
             tail = [x[:, :, lq // segment * segment :: r] for x in (q, k, v)]
-            launches += (_flash_launch(*tail, False, -1, -1, tgt),)
+            launches += (_flash_launch(*tail, False, -1, -1, tgt, role="ragged last segment"),)
     else:
         text = _ops._plan_block_sparse.default(q, k, v, route.args[0], route.args[1], *tgt)
         launches = (_launch("block_sparse_fwd", text),)

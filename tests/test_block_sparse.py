@@ -1,4 +1,4 @@
-"""block_sparse_attention (DESIGN.md section 3) against the fp64 reference and SDPA (MATH backend),
+"""block_sparse_attention against the fp64 reference and SDPA (MATH backend),
 the defined empty rows, NaN canaries, metamorphic properties and seeded random-mask fuzzing."""
 
 from __future__ import annotations

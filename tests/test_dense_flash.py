@@ -1,5 +1,5 @@
-"""dense_attention and flash_attention against the fp64 reference (TESTING.md section 2 rule),
-plus the edge cases, canaries and CUDA stress tests of TESTING.md sections 3 and 4."""
+"""dense_attention and flash_attention against the fp64 reference (the tolerance rule of
+docs/ARCHITECTURE.md, "Testing rules"), plus the edge cases, canaries and CUDA stress tests listed there."""
 
 from __future__ import annotations
 
@@ -209,7 +209,8 @@ def test_window(dtype, causal, shape, window, device):
 
 def test_window_rows_whose_first_tiles_are_empty(device):
     # A narrow band far from the diagonal: every row's visible keys sit in one late tile, so the
-    # online softmax starts from tiles that are empty for the row (TESTING.md section 3 item 24).
+    # online softmax starts from tiles that are empty for the row (a finite sentinel max would
+    # turn them into exp(huge) * 0 = NaN).
     lq, lk = 64, 1000
     q, k, v = make_qkv(1, 2, 2, lq, lk, 64, dtype=torch.bfloat16, device=device, seed=24)
     out, lse = _run("flash", q, k, v, window=(3, 1))
@@ -343,7 +344,7 @@ def test_no_keys_gives_zeros_and_neg_inf(op, dtype, causal, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=_case_id)
 @pytest.mark.parametrize("op", list(OPS))
 def test_value_head_dim_differs_cpu(op, dtype, causal, d, dv):
-    # The CUDA kernels may require Dv == D (DESIGN.md section 2); the CPU path must not.
+    # The CUDA tensor-core kernels require Dv == D; the CPU path must not.
     q, k, v = make_qkv(2, 4, 2, 70, 90, d, dv, dtype=dtype, seed=d + dv)
     out, lse = _run(op, q, k, v, causal=causal)
     check_attention(out, lse, q, k, v, causal=causal, name=f"{op} D={d} Dv={dv}")
@@ -409,7 +410,7 @@ def test_nan_key_propagates_to_the_heads_that_read_it(op, device):
 )
 @pytest.mark.parametrize("op", list(OPS))
 def test_large_magnitudes_stay_finite(op, dtype, mult, causal, device):
-    # Q K^T far beyond fp16's range: scores and softmax must be fp32 (TESTING.md section 3 item 27).
+    # Q K^T far beyond fp16's range: scores and softmax must be fp32.
     q, k, v = make_qkv(2, 4, 2, 65, 65, 64, dtype=dtype, device=device, seed=27)
     q, k = q * mult, k * mult
     out, lse = _run(op, q, k, v, causal=causal)

@@ -2,7 +2,7 @@
 
 Everything else in the suite is measured against ``reference.attention``, so it is checked here
 against ``torch.nn.functional.scaled_dot_product_attention`` in float64 (where both must agree to
-rounding), including the masking conventions DESIGN.md fixes: bool masks, bottom-right causal
+rounding), including the masking conventions of the contract (docs/ARCHITECTURE.md): bool masks, bottom-right causal
 alignment, GQA, and fully masked rows (0 and LSE -inf).
 """
 

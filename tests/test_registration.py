@@ -1,4 +1,4 @@
-"""Op-registration hygiene (TESTING.md section 4 item 9): schemas, fake kernels and autograd
+"""Op-registration hygiene: schemas, fake kernels and autograd
 registrations pass torch.library.opcheck; the public ops trace under torch.compile(fullgraph=True)
 and match eager; backward raises a clear NotImplementedError (the ops are forward-only)."""
 

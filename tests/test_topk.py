@@ -1,4 +1,4 @@
-"""topk_attention (DESIGN.md section 5): exact selection on integer-valued inputs (ties go to the lower
+"""topk_attention: exact selection on integer-valued inputs (ties go to the lower
 index), the top-k property on float inputs, attention given the indices, the lightning indexer,
 block mode, and argument checks."""
 

@@ -1,4 +1,4 @@
-"""Bad inputs (TESTING.md sections 3.1 and 3.2): every public op raises a Python exception whose
+"""Bad inputs (docs/ARCHITECTURE.md, "Testing rules"): every public op raises a Python exception whose
 message names the argument, before any kernel runs. Each raise has a positive control at the
 boundary, and a valid call in the same test afterwards still gives a correct result (no sticky
 error state)."""
@@ -634,7 +634,7 @@ def test_bad_scale_type(op, scale, device):
 
 
 # ---------------------------------------------------------------------------------------------
-# Sizes (TESTING.md section 3.2 items 16 and 17): empty inputs are not errors.
+# Sizes: empty inputs are not errors (an empty output, or 0 and LSE -inf without keys).
 
 EMPTY = {
     "B=0": (0, H, HKV, L, L),

@@ -382,7 +382,8 @@ namespace {
 std::string describe(const FlashPlan& plan) {
   std::ostringstream out;
   out << "core=" << core_name(plan.core) << "\ntile=" << plan.tile.block_m << "x" << plan.tile.block_n
-      << "\nwarps=" << plan.tile.warps << "\nschedule=" << schedule_name(plan.schedule);
+      << "\nschedule=" << schedule_name(plan.schedule);
+  if (plan.core != Core::kCpu) out << "\nwarps=" << plan.tile.warps;
   if (plan.core == Core::kHopper) out << "\nmerge_boundary=" << int(plan.merge_boundary);
   out << "\nwhy_core=" << plan.why_core << "\nwhy_tile=" << plan.why_tile << "\nwhy_schedule=" << plan.why_schedule;
   return out.str();

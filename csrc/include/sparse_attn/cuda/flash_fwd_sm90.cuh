@@ -72,9 +72,9 @@ struct FlashSm90Traits {
   static constexpr int kKVColBytes = kBlockN * 128;  // one 64-column block of a K or V tile
   static constexpr int kQBytes = kColBlocks * kQColBytes;
   static constexpr int kKVBytes = kColBlocks * kKVColBytes;
-  // Skip O's rescale in tiles where no row of the warp moves its (lazily kept) max: at head dim 128
-  // +2-4 %; at 64, whose O is half as wide, the vote cost more than it saved in the 128-row kernel
-  // (-2 to -3 % at 2k-8k, docs/PERF_LOG.md).
+  // Skip O's rescale in tiles where no row of the warp moves its (lazily kept) max: a gain at head
+  // dim 128; at 64, whose O is half as wide, the vote costs more than it saves (docs/PERF_LOG.md,
+  // "lazy rescale").
   static constexpr bool kLazyRescale = kHeadDim >= 128;
   static constexpr int kBarriers =
       2 * kQStages + 4 * kStages + 2 * kSchedSlots + 1;  // Q, K/V, scheduler rings
@@ -86,8 +86,8 @@ struct FlashSm90Traits {
   // spill), the consumers take the rest.
   static constexpr int kProducerRegs = 32, kConsumerRegs = kConsumers == 2 ? 232 : 160;
   // Output rows per TMA store: each warp's 16 at head dim 64 (the epilogue then needs no
-  // warpgroup barriers: full attention 4k/8k +2.1-2.4 %), the warpgroup's 64 at 128 (per-warp
-  // stores measured 10 % slower there; docs/PERF_LOG.md).
+  // warpgroup barriers), the warpgroup's 64 at 128, where per-warp stores were slower
+  // (docs/PERF_LOG.md, "per-warp output stores").
   static constexpr int kStoreRows = kHeadDim == 64 ? 16 : 64;
   // Block-sparse masks reach this kernel only with 128 x 128 blocks (plan_flash; the launcher
   // checks it): one list entry per key tile.
@@ -334,8 +334,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // next tile's first Q K^T instead of in a turn of its own, so a tile of n key tiles costs each
   // consumer n turns, not n + 1, and the tensor cores get no half-size turns at the boundary
   // (the epilogue then runs after the next tile's row maxima, under the other consumer's turn).
-  // Short block-sparse tiles +0.4-2.0 %, dense 0.988 (docs/PERF_LOG.md). Two consumers only:
-  // the three-consumer kernel (160 registers) spilled with it, and has no turns to merge.
+  // It pays where tiles are short; plan_flash decides where (docs/PERF_LOG.md, "merged tile
+  // boundary"). Two consumers only: the three-consumer kernel (160 registers) spilled with it, and
+  // has no turns to merge.
   // pv_pending: the previous tile's last P V is not issued yet.
   const bool merge = Tr::kConsumers == 2 && args.merge_boundary != 0;
   bool pv_pending = false;
@@ -463,7 +464,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     // Steady state: the GEMMs of S(it) and of O += P(it - 1) V(it - 1) are in flight together;
     // the softmax of S(it) starts while the tensor cores finish the second. The scale is folded
     // into the exponent (one FFMA per score, the guarded fast path of flash_softmax.cuh; with the
-    // lazy rescale +4.5-7.5 % at head dim 128, docs/PERF_LOG.md).
+    // lazy rescale, docs/PERF_LOG.md "folded scale").
     for (int it = 1; it < n_tiles; ++it) {
       turn_begin();
       issue_qk(it);

@@ -79,7 +79,7 @@ template <int kBlockN, int kNTiles>
 __device__ __forceinline__ void apply_tile_mask(float (&s)[1][kNTiles][4], const TileMask<kBlockN>& m,
                                                 int t) {
   // The flag is the same in every lane (one tile); branching on a vote makes that visible to the
-  // compiler (a plain test measured 1-2 % slower on dilated and BigBird masks, docs/PERF_LOG.md).
+  // compiler (a plain test was slower on dilated and BigBird masks, docs/PERF_LOG.md).
   if (!__any_sync(0xffffffffu, m.need)) return;
 #pragma unroll
   for (int half = 0; half < 2; ++half)

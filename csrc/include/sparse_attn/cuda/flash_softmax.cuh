@@ -116,7 +116,7 @@ __device__ __forceinline__ void exp_pack(const float (&s)[kMTiles][kNTiles][4], 
 // is exactly <= 0 and, for the row's largest score, >= -ulp(max): with |max| < 2^20 that is
 // >= -1/8, so nothing overflows, the largest term stays >= 2^-1/8, and the shift the rounding
 // introduces is common to the row's numerator and sum. Otherwise (a zero or negative scale, or
-// magnitudes where one ulp of the max is no longer small, TESTING.md 3.3 #27-28), the warp redoes
+// magnitudes where one ulp of the max is no longer small: bf16 inputs of 133120, a zero or negative scale), the warp redoes
 // the tile from S the way online_softmax does (scale first; masked entries stay -inf whatever the
 // scale's sign). The check runs after the exponentials, so that it adds no latency to them.
 //
