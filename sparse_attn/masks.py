@@ -29,9 +29,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["BlockSparseMask", "ExactForm"]
+__all__ = ["BlockSparseMask", "ExactForm", "cta_schedule"]
 
 _BLOCK_SIZES = (64, 128)
 
@@ -90,6 +91,42 @@ def unpack_bits(words: torch.Tensor, kv_block: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = (words.unsqueeze(-1) >> shifts) & 1
     return bits.reshape(words.shape[0], words.shape[1], kv_block).bool()
+
+
+def cta_schedule(weights):
+    """The block-sparse kernel's CTA schedule (its ``q_block_order``) from each query block's weight.
+
+    Query blocks far heavier than the mean (global-token rows) run first across every head, so
+    they do not finish alone at the end; the rest run one head at a time, heaviest first, so the
+    CTAs in flight share that head's K/V in L2.
+
+    Parameters
+    ----------
+    weights : Tensor or numpy array, (nQb,) integer
+        Key blocks of each query block's widest row: ``kv_num_blocks.amax(dim=(0, 1))``.
+
+    Returns
+    -------
+    Tensor or numpy array, (nQb + 1,) int32
+        The query blocks by weight, descending (ties in block order), then the number of blocks
+        weighing more than twice the mean weight. A tensor for a tensor, on its device (no
+        synchronisation: the attention makes it on the mask's device); a numpy array for an
+        array (the pattern builders make it from their host plans).
+
+    Examples
+    --------
+    >>> cta_schedule(torch.tensor([2, 9, 2, 1], dtype=torch.int32))
+    tensor([1, 0, 2, 3, 1], dtype=torch.int32)
+    """
+    # Both compare weight > 2 * mean in integers: exact at any length.
+    if isinstance(weights, torch.Tensor):
+        w = weights.long()
+        heavy = (w * w.numel() > 2 * w.sum()).sum().reshape(1)
+        return torch.cat([torch.argsort(w, descending=True, stable=True), heavy]).to(torch.int32)
+    # The same in numpy: a host plan made with torch ops would pay their cost per op (~10 % of it).
+    w = np.asarray(weights, dtype=np.int64)
+    heavy = np.count_nonzero(w * w.size > 2 * w.sum())
+    return np.append(np.argsort(-w, kind="stable"), heavy).astype(np.int32)
 
 
 def _valid_region(qb_idx, kb_idx, seq_lengths, block_size):
@@ -154,7 +191,7 @@ class BlockSparseMask:
         self.partial_masks = partial_masks
         self.seq_lengths = (int(seq_lengths[0]), int(seq_lengths[1]))
         self.block_size = block_size
-        # The attention kernel's CTA schedule for this mask (see ops._schedule), made on first use
+        # The attention kernel's CTA schedule for this mask (see cta_schedule), made on first use
         # (or by the pattern builders, from their host plan) and kept: the mask is not modified.
         self._order: torch.Tensor | None = None
         # Set by the pattern builders when the mask is exactly their pattern (see ExactForm);

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .masks import _FULL, _NONE, BlockSparseMask, ExactForm, _check_block_size, _pair, pack_bits
+from .masks import _FULL, _NONE, BlockSparseMask, ExactForm, _check_block_size, _pair, cta_schedule, pack_bits
 
 __all__ = [
     "causal",
@@ -458,9 +458,7 @@ def _plan(lengths, bs, state, coord, diag_cls, rows, cols, bits, counts, runs=No
     else:
         lut = [state.ravel(), rows * nc, cols, diag_cls * rc, coord[0], coord[1]]
     arrays = [*lut, bits, counts, np.arange(cols.size)]
-    # The attention's CTA schedule (ops._schedule), from the host's row counts.
-    weights = counts.max(0)
-    arrays.append(np.append(np.argsort(-weights, kind="stable"), int((weights > 2 * weights.mean()).sum())))
+    arrays.append(cta_schedule(counts.max(0)))  # the attention's, from the host's row counts
     lists = [] if runs is None else _row_lists(runs, [x.astype(np.int64) for x in lut], counts, cols.size)
     arrays += lists
     buffer = np.concatenate([x.ravel() for x in arrays]).astype(np.int32)
