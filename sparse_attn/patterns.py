@@ -83,43 +83,11 @@ def _build(
     i0 = (torch.arange(nq, device=dev, dtype=torch.int64) * bq)[:, None].expand(nq, nk)
     j0 = (torch.arange(nk, device=dev, dtype=torch.int64) * bk)[None, :].expand(nq, nk)
     where = cand(i0, j0).nonzero(as_tuple=True)
-    keys = key(i0[where], j0[where])
-    if keys.dim() == 1:
-        keys = keys[:, None]
-    # Positions past the sequence ends are outside the mask: a ragged tail block must not be
-    # listed for pairs it holds only there, and is full when every pair in range is allowed.
-    # So its key also records how many of its rows and columns are in range.
-    rows_in = (lq - i0[where]).clamp(max=bq)[:, None]
-    cols_in = (lk - j0[where]).clamp(max=bk)[:, None]
-    keys = torch.cat([keys, rows_in, cols_in], -1)
     table = torch.full((1, 1, nq, nk), _NONE, dtype=torch.int32, device=dev)
-    if keys.shape[0] == 0:
-        return BlockSparseMask._from_table(
-            table, torch.zeros(0, bq, bk // 32, dtype=torch.int32, device=dev), (lq, lk), (bq, bk)
-        )
-    uniq, inverse = torch.unique(keys, dim=0, return_inverse=True)
-    n = inverse.shape[0]
-    rep = torch.full((uniq.shape[0],), n, dtype=torch.int64, device=dev)
-    rep = rep.scatter_reduce(0, inverse, torch.arange(n, device=dev), reduce="amin")
-    ri, rj = i0[where][rep], j0[where][rep]
-    r = torch.arange(bq, device=dev, dtype=torch.int64)
-    c = torch.arange(bk, device=dev, dtype=torch.int64)
-    step = max(1, _CHUNK // (bq * bk))
-    bits = torch.cat(
-        [
-            allowed(ri[s : s + step, None, None] + r[None, :, None], rj[s : s + step, None, None] + c[None, None, :])
-            for s in range(0, ri.shape[0], step)
-        ]
+    keys = key(i0[where], j0[where])
+    return BlockSparseMask._from_predicate(
+        table, where, allowed, seq_lengths, (bq, bk), keys=keys, chunk_elements=_CHUNK
     )
-    inside = (ri[:, None, None] + r[None, :, None] < lq) & (rj[:, None, None] + c[None, None, :] < lk)
-    bits = bits & inside
-    full = (bits | ~inside).flatten(1).all(-1)
-    partial = bits.flatten(1).any(-1) & ~full
-    state = torch.full((uniq.shape[0],), _NONE, dtype=torch.int32, device=dev)
-    state[partial] = torch.arange(int(partial.sum()), dtype=torch.int32, device=dev)
-    state[full] = _FULL
-    table[0, 0][where] = state[inverse]
-    return BlockSparseMask._from_table(table, pack_bits(bits[partial]), (lq, lk), (bq, bk))
 
 
 def _band(seq_lengths, block_size, device, lo: int, hi: int, pred=None) -> BlockSparseMask:
