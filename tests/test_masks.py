@@ -1,5 +1,6 @@
-"""BlockSparseMask (DESIGN.md section 3): compressed layout, conversions, composition, validation
-and FlexAttention interop in both directions."""
+"""BlockSparseMask (per query block, its key blocks and their element bits): compressed layout,
+conversions, composition, validation, FlexAttention interop in both directions and the kernel's
+CTA schedule."""
 
 from __future__ import annotations
 
