@@ -29,11 +29,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["BlockSparseMask", "ExactForm"]
+__all__ = ["BlockSparseMask", "ExactForm", "cta_schedule"]
 
 _BLOCK_SIZES = (64, 128)
+# Elements a predicate is evaluated on at once when blocks' bits are computed from it.
+_CHUNK = 1 << 24
 
 # Block-table states (see BlockSparseMask.block_table).
 _NONE = -2
@@ -92,13 +95,40 @@ def unpack_bits(words: torch.Tensor, kv_block: int) -> torch.Tensor:
     return bits.reshape(words.shape[0], words.shape[1], kv_block).bool()
 
 
-def _valid_region(qb_idx, kb_idx, seq_lengths, block_size):
-    """(N, QB, KB) bool: which elements of the blocks (qb_idx[n], kb_idx[n]) lie inside the sequences."""
-    (lq, lk), (bq, bk) = seq_lengths, block_size
-    dev = qb_idx.device
-    rows = qb_idx[:, None] * bq + torch.arange(bq, device=dev)
-    cols = kb_idx[:, None] * bk + torch.arange(bk, device=dev)
-    return (rows < lq)[:, :, None] & (cols < lk)[:, None, :]
+def cta_schedule(weights):
+    """The block-sparse kernel's CTA schedule (its ``q_block_order``) from each query block's weight.
+
+    Query blocks far heavier than the mean (global-token rows) run first across every head, so
+    they do not finish alone at the end; the rest run one head at a time, heaviest first, so the
+    CTAs in flight share that head's K/V in L2.
+
+    Parameters
+    ----------
+    weights : Tensor or numpy array, (nQb,) integer
+        Key blocks of each query block's widest row: ``kv_num_blocks.amax(dim=(0, 1))``.
+
+    Returns
+    -------
+    Tensor or numpy array, (nQb + 1,) int32
+        The query blocks by weight, descending (ties in block order), then the number of blocks
+        weighing more than twice the mean weight. A tensor for a tensor, on its device (no
+        synchronisation: the attention makes it on the mask's device); a numpy array for an
+        array (the pattern builders make it from their host plans).
+
+    Examples
+    --------
+    >>> cta_schedule(torch.tensor([2, 9, 2, 1], dtype=torch.int32))
+    tensor([1, 0, 2, 3, 1], dtype=torch.int32)
+    """
+    # Both compare weight > 2 * mean in integers: exact at any length.
+    if isinstance(weights, torch.Tensor):
+        w = weights.long()
+        heavy = (w * w.numel() > 2 * w.sum()).sum().reshape(1)
+        return torch.cat([torch.argsort(w, descending=True, stable=True), heavy]).to(torch.int32)
+    # The same in numpy: a host plan made with torch ops would pay their cost per op (~10 % of it).
+    w = np.asarray(weights, dtype=np.int64)
+    heavy = np.count_nonzero(w * w.size > 2 * w.sum())
+    return np.append(np.argsort(-w, kind="stable"), heavy).astype(np.int32)
 
 
 class BlockSparseMask:
@@ -154,7 +184,7 @@ class BlockSparseMask:
         self.partial_masks = partial_masks
         self.seq_lengths = (int(seq_lengths[0]), int(seq_lengths[1]))
         self.block_size = block_size
-        # The attention kernel's CTA schedule for this mask (see ops._schedule), made on first use
+        # The attention kernel's CTA schedule for this mask (see cta_schedule), made on first use
         # (or by the pattern builders, from their host plan) and kept: the mask is not modified.
         self._order: torch.Tensor | None = None
         # Set by the pattern builders when the mask is exactly their pattern (see ExactForm);
@@ -364,30 +394,80 @@ class BlockSparseMask:
         nq, nk = math.ceil(lq / bq), math.ceil(lk / bk)
         padded = torch.zeros(b, h, nq * bq, nk * bk, dtype=torch.bool, device=mask.device)
         padded[..., :lq, :lk] = mask
-        blocks = padded.reshape(b, h, nq, bq, nk, bk).permute(0, 1, 2, 4, 3, 5)  # (b, h, nq, nk, bq, bk)
-        cand = blocks.any(-1).any(-1)
+        cand = padded.reshape(b, h, nq, bq, nk, bk).any(5).any(3)  # (b, h, nq, nk): blocks holding a pair
+        table = torch.full(cand.shape, _NONE, dtype=torch.int32, device=mask.device)
         where = cand.nonzero(as_tuple=True)
-        return cls._from_blocks(cand.shape, where, blocks[where], (lq, lk), block_size)
+        return cls._from_predicate(
+            table, where, lambda bi, hi, i, j: mask[bi, hi, i, j], (lq, lk), block_size, chunk_elements=_CHUNK
+        )
 
     @classmethod
-    def _from_blocks(cls, shape, where, bits, seq_lengths, block_size) -> BlockSparseMask:
-        """Classify candidate blocks (given their element bits) as full / partial / none."""
-        b, h, nq, nk = shape
-        dev = bits.device
-        valid = _valid_region(where[2], where[3], seq_lengths, block_size)
-        bits = bits & valid
-        full = (bits | ~valid).flatten(1).all(-1)
-        some = bits.flatten(1).any(-1)
-        table = torch.full((b, h, nq, nk), _NONE, dtype=torch.int32, device=dev)
-        state = torch.full((bits.shape[0],), _NONE, dtype=torch.int32, device=dev)
-        part = some & ~full
-        state[part] = torch.arange(int(part.sum()), dtype=torch.int32, device=dev)
+    def _from_predicate(
+        cls,
+        table: torch.Tensor,
+        where: tuple[torch.Tensor, ...],
+        allowed: Callable[..., torch.Tensor],
+        seq_lengths: tuple[int, int],
+        block_size: tuple[int, int],
+        *,
+        keys: torch.Tensor | None = None,
+        chunk_elements: int,
+    ) -> BlockSparseMask:
+        """The mask of ``table`` (B|1, H|1, nQb, nKb) int32 of ``_FULL`` and ``_NONE``, with its
+        candidate blocks ``where`` made full, partial or none by the element predicate: the one
+        way every builder turns a predicate into a mask (the generic pattern path, from_flex,
+        from_element_mask). ``table`` is written in place.
+
+        ``where`` indexes the table: leading indices (batch, head: any number, none included),
+        then query and key blocks, (N,) int64 each. ``allowed(*lead, i, j)`` -> bool (M, QB, KB)
+        gets the leading indices of M of these blocks as (M, 1, 1) and their query and key
+        positions as (M, QB, 1) and (M, 1, KB), int64; M * QB * KB is at most ``chunk_elements``
+        (one block at least). Positions past the sequence ends reach it clamped to the last one,
+        as FlexAttention bounds them (a ``mask_mod`` may index a tensor of length Lq or Lk:
+        document ids); their bits are dropped.
+
+        ``keys`` (N,) or (N, K) int64: blocks with equal keys have equal bits inside the
+        sequences, so only the first block of each key is evaluated (None: every block).
+        """
+        (lq, lk), (bq, bk) = seq_lengths, block_size
+        dev = table.device
+        *lead, qb, kb = where
+        n = qb.shape[0]
+        if n == 0:
+            empty = torch.zeros(0, bq, bk // 32, dtype=torch.int32, device=dev)
+            return cls._from_table(table, empty, seq_lengths, block_size)
+        inverse = None
+        if keys is not None:
+            # A ragged tail block's bits also depend on how many of its rows and columns are in
+            # range: a block must not be listed for pairs it holds only past the ends, and is
+            # full when every pair in range is allowed. So its key records both.
+            rows_in = (lq - qb * bq).clamp(max=bq)[:, None]
+            cols_in = (lk - kb * bk).clamp(max=bk)[:, None]
+            keys = torch.cat([keys.reshape(n, -1), rows_in, cols_in], -1)
+            uniq, inverse = torch.unique(keys, dim=0, return_inverse=True)
+            first = torch.full((uniq.shape[0],), n, dtype=torch.int64, device=dev)
+            first = first.scatter_reduce(0, inverse, torch.arange(n, device=dev), reduce="amin")
+            lead, qb, kb = [x[first] for x in lead], qb[first], kb[first]
+        lead = [x[:, None, None] for x in lead]
+        i = qb[:, None, None] * bq + torch.arange(bq, device=dev)[:, None]  # (blocks, QB, 1)
+        j = kb[:, None, None] * bk + torch.arange(bk, device=dev)  # (blocks, 1, KB)
+        inside = (i < lq) & (j < lk)
+        i, j = i.clamp(max=max(lq - 1, 0)), j.clamp(max=max(lk - 1, 0))
+        step = max(1, chunk_elements // (bq * bk))
+        chunks = [
+            (*(x[s : s + step] for x in lead), i[s : s + step], j[s : s + step]) for s in range(0, i.shape[0], step)
+        ]
+        bits = torch.cat([allowed(*chunk) for chunk in chunks]) & inside
+        full = (bits | ~inside).flatten(1).all(-1)
+        partial = bits.flatten(1).any(-1) & ~full
+        state = torch.full((qb.shape[0],), _NONE, dtype=torch.int32, device=dev)
+        state[partial] = torch.arange(int(partial.sum()), dtype=torch.int32, device=dev)
         state[full] = _FULL
-        table[where] = state
-        return cls._from_table(table, pack_bits(bits[part]), seq_lengths, block_size)
+        table[(..., *where)] = state if inverse is None else state[inverse]
+        return cls._from_table(table, pack_bits(bits[partial]), seq_lengths, block_size)
 
     @classmethod
-    def from_flex(cls, block_mask, *, chunk_elements: int = 1 << 24) -> BlockSparseMask:
+    def from_flex(cls, block_mask, *, chunk_elements: int = _CHUNK) -> BlockSparseMask:
         """From a FlexAttention ``BlockMask``: its full blocks stay full; its partial blocks get
         exact bits by evaluating ``block_mask.mask_mod`` over them (vectorised, in chunks)."""
         lq, lk = block_mask.seq_lengths
@@ -411,17 +491,9 @@ class BlockSparseMask:
             mark(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, torch.tensor(_FULL, device=dev))
         table = table[..., :nk]
         pending = (table == 0).nonzero(as_tuple=True)
-        bits = _eval_mask_mod(block_mask.mask_mod, pending, block_size, (lq, lk), chunk_elements)
-        keep_full = table == _FULL
-        shape = (b, h, nq, nk)
-        partial = cls._from_blocks(shape, pending, bits, (lq, lk), block_size)
-        full = cls._from_table(
-            torch.where(keep_full, _FULL, _NONE).to(torch.int32),
-            partial.partial_masks[:0],
-            (lq, lk),
-            block_size,
-        )
-        return partial | full
+        full = torch.where(table == _FULL, _FULL, _NONE).to(torch.int32)
+        allowed = _flex_predicate(block_mask.mask_mod)
+        return cls._from_predicate(full, pending, allowed, (lq, lk), block_size, chunk_elements=chunk_elements)
 
     # ------------------------------------------------------------------ conversions
     def to_dense(self) -> torch.Tensor:
@@ -551,37 +623,18 @@ def _compact_partials(table: torch.Tensor, bits: torch.Tensor):
     return table, uniq[used].reshape(-1, *bits.shape[1:])
 
 
-def _eval_mask_mod(
-    mask_mod: Callable | None,
-    where,
-    block_size: tuple[int, int],
-    seq_lengths: tuple[int, int],
-    chunk_elements: int,
-) -> torch.Tensor:
-    """(N, QB, KB) bool: ``mask_mod(b, h, q, kv)`` over the blocks ``where`` = (b, h, qb, kb).
-
-    Positions past the sequence ends are clamped to the last one, as FlexAttention bounds them: a
-    ``mask_mod`` may index a tensor of length Lq or Lk (document ids). Their bits are dropped later."""
-    bq, bk = block_size
-    bi, hi, qbi, kbi = where
-    n = bi.shape[0]
-    dev = bi.device
+def _flex_predicate(mask_mod: Callable | None) -> Callable[..., torch.Tensor]:
+    """A FlexAttention ``mask_mod`` (one (b, h, q, kv) of scalar tensors -> bool) as a predicate
+    over broadcasting position tensors, as ``BlockSparseMask._from_predicate`` calls it: vmap over
+    their elements. None (no mask_mod): every pair allowed."""
     if mask_mod is None:
-        return torch.ones(n, bq, bk, dtype=torch.bool, device=dev)
-    per_block = bq * bk
-    r = torch.arange(bq, device=dev).repeat_interleave(bk)
-    c = torch.arange(bk, device=dev).repeat(bq)
+        return lambda *pos: torch.ones(
+            torch.broadcast_shapes(*(x.shape for x in pos)), dtype=torch.bool, device=pos[0].device
+        )
     fn = torch.vmap(mask_mod, in_dims=(0, 0, 0, 0))
-    out = []
-    step = max(1, chunk_elements // per_block)
-    for s in range(0, n, step):
-        sl = slice(s, s + step)
-        m = bi[sl].shape[0]
-        b_ = bi[sl].repeat_interleave(per_block)
-        h_ = hi[sl].repeat_interleave(per_block)
-        q_ = ((qbi[sl] * bq).repeat_interleave(per_block) + r.repeat(m)).clamp(max=max(seq_lengths[0] - 1, 0))
-        k_ = ((kbi[sl] * bk).repeat_interleave(per_block) + c.repeat(m)).clamp(max=max(seq_lengths[1] - 1, 0))
-        out.append(fn(b_, h_, q_, k_).reshape(m, bq, bk).bool())
-    if not out:
-        return torch.zeros(0, bq, bk, dtype=torch.bool, device=dev)
-    return torch.cat(out)
+
+    def allowed(*pos):
+        pos = torch.broadcast_tensors(*pos)
+        return fn(*(x.reshape(-1) for x in pos)).reshape(pos[0].shape).bool()
+
+    return allowed

@@ -1,11 +1,13 @@
-"""BlockSparseMask (DESIGN.md section 3): compressed layout, conversions, composition, validation
-and FlexAttention interop in both directions."""
+"""BlockSparseMask (per query block, its key blocks and their element bits): compressed layout,
+conversions, composition, validation, FlexAttention interop in both directions and the kernel's
+CTA schedule."""
 
 from __future__ import annotations
 
 import inspect
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, create_mask, flex_attention
@@ -13,7 +15,7 @@ from utils import check_attention, check_close, make_qkv
 
 import sparse_attn
 from sparse_attn import BlockSparseMask, patterns, reference
-from sparse_attn.masks import unpack_bits
+from sparse_attn.masks import cta_schedule, unpack_bits
 
 NONE, FULL = -2, -1
 
@@ -582,3 +584,33 @@ def test_to_device_keeps_the_mask(device):
     q, k, v = make_qkv(1, 2, 2, 257, 257, 64, dtype=torch.float32, device=device, seed=43)
     out, lse = sparse_attn.block_sparse_attention(q, k, v, moved, return_lse=True)
     check_attention(out, lse, q, k, v, mask=moved.to_dense())
+
+
+# ---------------------------------------------------------------------------------------- CTA schedule
+@pytest.mark.parametrize(
+    "weights, want",
+    [
+        ([], [0]),
+        ([3], [0, 0]),
+        ([2, 9, 2, 1], [1, 0, 2, 3, 1]),  # ties keep block order; 9 > 2 x 3.5
+        ([1, 1, 4], [2, 0, 1, 0]),  # 4 is exactly twice the mean: not heavier
+        ([1, 1, 5], [2, 0, 1, 1]),
+        ([0, 0, 0], [0, 1, 2, 0]),
+        ([7, 7, 1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 2]),
+    ],
+)
+def test_cta_schedule_by_hand(weights, want):
+    """Query blocks heaviest first (stable), then how many weigh more than twice the mean: the same
+    for a tensor (the attention's) and a numpy array (the pattern builders' host plans)."""
+    device_form = cta_schedule(torch.tensor(weights, dtype=torch.int32))
+    host_form = cta_schedule(np.array(weights, dtype=np.int64))
+    assert device_form.dtype == torch.int32 and host_form.dtype == np.int32
+    assert device_form.tolist() == want and host_form.tolist() == want
+
+
+def test_cta_schedule_host_and_device_forms_agree():
+    gen = torch.Generator().manual_seed(0)
+    for n, top in [(1, 3), (17, 4), (300, 40), (4096, 1000)]:
+        weights = torch.randint(0, top, (n,), generator=gen, dtype=torch.int32)
+        weights[: n // 50] = top * 3  # a few global-token rows
+        assert np.array_equal(cta_schedule(weights).numpy(), cta_schedule(weights.numpy()))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sparse_attn import BlockSparseMask, patterns
+from sparse_attn import _mask_compiler as compiler
 
 NONE, FULL = -2, -1
 LENGTHS = [0, 1, 64, 129, 1000]
@@ -191,7 +192,7 @@ def test_bigbird(heads, length, block_size):
         )
         want = band(length, window) | global_(length, range(min(num_global, length)))
         if num_random:
-            drawn = patterns._bigbird_random_blocks(length, num_random, length + window, heads, _pair(block_size))
+            drawn = compiler._bigbird_random_blocks(length, num_random, length + window, heads, _pair(block_size))
             want = want | random_blocks(length, drawn, block_size)
         assert mask.shape[:2] == (1, heads if num_random else 1)
         check(mask, want, block_size)
@@ -219,14 +220,14 @@ def test_long_ragged(make, want, block_size):
 @pytest.fixture
 def fresh_plans():
     """Host plans are cached by arguments: start and end with none, so a test's settings apply."""
-    patterns._clear_plans()
+    compiler._clear_plans()
     yield
-    patterns._clear_plans()
+    compiler._clear_plans()
 
 
 def test_two_step_lookup(monkeypatch, fresh_plans):
     """Tables too big for one lookup step take two; same masks."""
-    monkeypatch.setattr(patterns, "_LUT_MAX", 0)
+    monkeypatch.setattr(compiler, "_LUT_MAX", 0)
     check(patterns.sliding_window(1000, 100, block_size=64), band(1000, 100), 64)
     check(patterns.dilated(1000, 300, 3, block_size=64), dilated(1000, 300, 3), 64)
     check(patterns.dilated_2d(1000, 5, 2, block_size=64), dilated_2d(1000, 5, 2), 64)
@@ -249,10 +250,10 @@ def test_row_lists_and_device_table_agree(monkeypatch, fresh_plans, make, block_
     """Dilated patterns list their rows' key blocks on the host, dropping the blocks of a row's run
     that hold no allowed pair, unless the runs are much wider than the lists (then the device
     builds the block table): both give the same tensors."""
-    monkeypatch.setattr(patterns, "_RUN_SLACK", 1 << 30)
+    monkeypatch.setattr(compiler, "_RUN_SLACK", 1 << 30)
     lists = make(block_size)
-    patterns._clear_plans()
-    monkeypatch.setattr(patterns, "_RUN_SLACK", 0)
+    compiler._clear_plans()
+    monkeypatch.setattr(compiler, "_RUN_SLACK", 0)
     table = make(block_size)
     for a, b in zip(lists._tensors() + (lists._order,), table._tensors() + (table._order,), strict=True):
         assert torch.equal(a, b)
@@ -266,8 +267,8 @@ def test_traceable_band_form_agrees(lengths, block_size):
     lq, lk = lengths
     cpu = torch.device("cpu")
     for lo, hi in [(-(lk - lq), None), (0, None), (-99, 99), (0, 63), (-64, 0), (5, 300), (-5000, 5000)]:
-        fast = patterns._band_mask(lq, lk, block_size, cpu, ("interval", lo, hi))
-        traced = patterns._band_square(lq, lk, block_size, lo, hi, cpu, False)
+        fast = compiler.compile_mask(compiler.Interval(lo, hi), (lq, lk), (block_size, block_size), cpu)
+        traced = compiler._band_square(lq, lk, block_size, compiler.Interval(lo, hi), cpu, False)
         assert torch.equal(fast.to_dense(), traced.to_dense())
 
 
@@ -305,7 +306,7 @@ def test_copied_patterns_under_cuda_graph_capture(warm):
         lambda d: patterns.global_tokens(1000, [3, 999], device=d),
     ]
     want = [make("cpu").to_dense() for make in builders]
-    patterns._clear_plans()
+    compiler._clear_plans()
     side = torch.cuda.Stream()
     if warm:
         with torch.cuda.stream(side):
@@ -315,8 +316,8 @@ def test_copied_patterns_under_cuda_graph_capture(warm):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         masks = [make("cuda") for make in builders]
-    sizes = [buffer.size for buffer, _ in patterns._PINNED.values()]
-    patterns._clear_plans()
+    sizes = [buffer.size for buffer, _ in compiler._PINNED.values()]
+    compiler._clear_plans()
     churn = [torch.full((n,), -7, dtype=torch.int32).pin_memory() for n in sizes * 3]
     graph.replay()
     torch.cuda.synchronize()
@@ -327,7 +328,7 @@ def test_copied_patterns_under_cuda_graph_capture(warm):
 
 # ------------------------------------------------------------------------------------ bigbird's draw
 def test_random_draw_is_distinct_uniform_and_seeded():
-    draw = patterns._random_key_blocks(24000, 10, 3, torch.Generator().manual_seed(0))
+    draw = compiler._random_key_blocks(24000, 10, 3, torch.Generator().manual_seed(0))
     assert draw.shape == (24000, 3) and draw.min() >= 0 and draw.max() < 10
     sets = np.sort(draw, 1)
     assert (sets[:, 1:] != sets[:, :-1]).all(), "distinct blocks in each row"
@@ -335,25 +336,25 @@ def test_random_draw_is_distinct_uniform_and_seeded():
     assert np.abs(freq - 0.1).max() < 0.01, f"each block drawn 1/10 of the time, got {freq}"
     _, per_set = np.unique(sets @ [100, 10, 1], return_counts=True)
     assert per_set.size == 120 and 130 < per_set.min() and per_set.max() < 270, "each 3-subset ~200 times"
-    assert np.array_equal(draw, patterns._random_key_blocks(24000, 10, 3, torch.Generator().manual_seed(0)))
-    assert not np.array_equal(draw, patterns._random_key_blocks(24000, 10, 3, torch.Generator().manual_seed(1)))
-    everything = patterns._random_key_blocks(4, 5, 9, torch.Generator().manual_seed(0))
+    assert np.array_equal(draw, compiler._random_key_blocks(24000, 10, 3, torch.Generator().manual_seed(0)))
+    assert not np.array_equal(draw, compiler._random_key_blocks(24000, 10, 3, torch.Generator().manual_seed(1)))
+    everything = compiler._random_key_blocks(4, 5, 9, torch.Generator().manual_seed(0))
     assert np.array_equal(everything, np.tile(np.arange(5), (4, 1)))
 
 
 def test_random_draw_scan_and_bitmap_agree(monkeypatch):
-    bitmap = patterns._random_key_blocks(300, 100, 40, torch.Generator().manual_seed(3))
-    monkeypatch.setattr(patterns, "_SCAN_MAX", 1000)
-    scan = patterns._random_key_blocks(300, 100, 40, torch.Generator().manual_seed(3))
+    bitmap = compiler._random_key_blocks(300, 100, 40, torch.Generator().manual_seed(3))
+    monkeypatch.setattr(compiler, "_SCAN_MAX", 1000)
+    scan = compiler._random_key_blocks(300, 100, 40, torch.Generator().manual_seed(3))
     assert np.array_equal(scan, bitmap)
 
 
 def test_bigbird_random_blocks_are_per_head_and_seed():
-    a = patterns._bigbird_random_blocks(4096, 3, 5, 4, (128, 128))
+    a = compiler._bigbird_random_blocks(4096, 3, 5, 4, (128, 128))
     assert a.shape == (4, 32, 3)
     assert not np.array_equal(a[0], a[1])
-    assert np.array_equal(a, patterns._bigbird_random_blocks(4096, 3, 5, 4, (128, 128)))
-    assert not np.array_equal(a, patterns._bigbird_random_blocks(4096, 3, 6, 4, (128, 128)))
+    assert np.array_equal(a, compiler._bigbird_random_blocks(4096, 3, 5, 4, (128, 128)))
+    assert not np.array_equal(a, compiler._bigbird_random_blocks(4096, 3, 6, 4, (128, 128)))
 
 
 # ------------------------------------------------------------------------------------ no synchronisation

@@ -1,5 +1,6 @@
-"""The pattern library (DESIGN.md section 4) against brute-force element predicates written from the
-DESIGN table, composition, seeded randomness, run-time switching and argument checks."""
+"""The pattern library against brute-force element predicates written from each pattern's definition
+(the predicate its docstring states), composition, seeded randomness, run-time switching and argument
+checks."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def check_pattern(mask, want, block_size):
     mask.validate()
 
 
-# ------------------------------------------------------------------------------------ predicates (DESIGN §4)
+# ------------------------------------------------------------------------------------ predicates (as documented)
 def pred_causal(lq, lk):
     i, j = grid(lq, lk)
     return j <= i + (lk - lq)

@@ -1,4 +1,5 @@
-"""Test helpers: seeded inputs and the tolerance rule of TESTING.md section 2."""
+"""Test helpers: seeded inputs and the tolerance rule (an op's error within a small multiple of the
+error of the same math in the input dtype, plus a floor: see check_close)."""
 
 from __future__ import annotations
 

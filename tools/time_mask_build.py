@@ -11,7 +11,7 @@ One row per pattern, medians over ``--repeat`` builds after ``--warmup`` builds:
 - ``host ms``: until the builder returns, without waiting for the GPU (what the Python thread pays).
 - ``gpu ms``: between CUDA events recorded before and after the build (CUDA only).
 - ``cold wall ms``: as ``wall ms`` with the builders' cached host work cleared before each build
-  (``patterns._clear_plans``: a first build with these arguments); blank where there is no cache.
+  (``_mask_compiler._clear_plans``: a first build with these arguments).
 - ``aten ops``: operators dispatched during one build, counted with a ``TorchDispatchMode``;
   ``on device`` is those touching a tensor on the target device that are not views (about one
   kernel launch each on a GPU; tensor copies to the device included).
@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 try:
-    from sparse_attn import patterns
+    from sparse_attn import _mask_compiler, patterns
 except ImportError:  # no built extension here (e.g. a bare GPU machine): the pattern library needs none
     import pathlib
     import sys
@@ -45,7 +45,7 @@ except ImportError:  # no built extension here (e.g. a bare GPU machine): the pa
     pkg = types.ModuleType("sparse_attn")
     pkg.__path__ = [str(pathlib.Path(__file__).resolve().parents[1] / "sparse_attn")]
     sys.modules["sparse_attn"] = pkg
-    from sparse_attn import patterns
+    from sparse_attn import _mask_compiler, patterns
 
 
 def cases(length: int, block: int):
@@ -93,10 +93,9 @@ def measure(build, device: torch.device, warmup: int, repeat: int) -> dict:
     for _ in range(warmup):
         build(device)
     sync(device)
-    clear = getattr(patterns, "_clear_plans", None)
     cold = []
-    for _ in range(repeat if clear is not None else 0):
-        clear()
+    for _ in range(repeat):
+        _mask_compiler._clear_plans()
         t0 = time.perf_counter()
         build(device)
         sync(device)
@@ -135,7 +134,7 @@ def measure(build, device: torch.device, warmup: int, repeat: int) -> dict:
         "wall": statistics.median(wall),
         "host": statistics.median(host),
         "gpu": statistics.median(gpu) if gpu else None,
-        "cold": statistics.median(cold) if cold else None,
+        "cold": statistics.median(cold),
         "ops": counter.total,
         "dev_ops": counter.on_device,
         "syncs": syncs,
