@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .masks import _FULL, _NONE, BlockSparseMask
+from .masks import _FULL, _NONE, BlockSparseMask, cta_schedule
 from .patterns import causal as _causal_pattern
 
 _ops = torch.ops.sparse_attn
@@ -81,17 +81,12 @@ def dilated_2d(query, key, value, segment: int, dilation: int, scale):
 
 
 def schedule(m: BlockSparseMask) -> torch.Tensor:
-    """The CTA schedule of a mask (tile_of_cta), (nQb + 1,) int32: query blocks far heavier than
-    the mean (global-token rows) run first across every head, so they do not finish alone at the
-    end; the rest run one head at a time, heaviest first, so the CTAs in flight share that head's
-    K/V in L2. Made on the mask's device (no synchronisation) and kept on the mask: it is a few
-    small kernels, a noticeable share of a short sparse attention if paid on every call."""
+    """The mask's CTA schedule (masks.cta_schedule), made on the mask's device on first use and
+    kept on it: a few small kernels, a noticeable share of a short sparse attention if paid on
+    every call. (Pattern builders attach it from their host plans.)"""
     if m._order is not None:
         return m._order
-    weights = m.kv_num_blocks.amax(dim=(0, 1))
-    order = torch.argsort(weights, descending=True, stable=True)
-    heavy = (weights.float() > 2 * weights.float().mean()).sum().reshape(1)
-    order = torch.cat([order, heavy]).to(torch.int32)
+    order = cta_schedule(m.kv_num_blocks.amax(dim=(0, 1)))
     if not torch.compiler.is_compiling():
         m._order = order
     return order
