@@ -49,6 +49,10 @@ struct FlashSm90Args {
   CUtensorMap tma_q, tma_k, tma_v, tma_o;  // tma_o: boxes of kStoreRows rows
   int merge_boundary;     // FlashPlan::merge_boundary (see the kernel)
   int32_t* tile_counter;  // zeroed before the launch (Schedule::kDynamic); nullptr: round-robin
+  // Always 1. Ping-pong (two consumers) and the lazy rescale (head dim 128) are on in every plan,
+  // but as kernel arguments rather than compile-time constants: with constants ptxas schedules
+  // the head dim 128 kernels 2-4 % slower (docs/PERF_LOG.md, "the plan layer").
+  int pingpong, lazy_rescale;
 };
 
 // kBlockM_: 64 query rows per consumer warpgroup; kBlockN_: keys per tile (128 or 192). The
@@ -236,12 +240,12 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // other warpgroup arrives at after issuing its own, so the two take strict turns, across tile
   // boundaries too (one warpgroup's epilogue runs under the other's GEMMs). Warpgroup 1 arrives
   // once up front; warpgroup 0 consumes the one arrival left over at the end.
-  constexpr bool pingpong = Tr::kConsumers == 2;
+  const bool pingpong = Tr::kConsumers == 2 && args.pingpong != 0;
   // Lazy rescale (Tr::kLazyRescale): a row's running max moves only when a tile's max exceeds it
   // by more than kMaxStale (log2 units), so in most tiles no row of a warp changes its max and the
   // warp skips the rescale of O (64 multiplies per thread at head dim 128).
-  constexpr bool lazy = Tr::kLazyRescale;
-  constexpr float max_stale = lazy ? kMaxStale : 0.f;
+  const bool lazy = Tr::kLazyRescale && args.lazy_rescale != 0;
+  const float max_stale = lazy ? kMaxStale : 0.f;
   if (pingpong && wg == 1) named_barrier_arrive(5, 256);
 
   // The accumulators outlive their tile: a tile's output is written after the next tile's first
@@ -523,6 +527,8 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, const FlashPlan& 
   args.p = params;
   args.tile_counter = dynamic ? params.tile_counter : nullptr;
   args.merge_boundary = plan.merge_boundary;
+  args.pingpong = 1;
+  args.lazy_rescale = 1;
   // Persistent CTAs, one per SM, or one CTA per tile.
   const int grid = plan.schedule == Schedule::kPerTile ? int(tiles) : int(min64(tiles, plan.persistent_ctas));
   const int elem = 2;
