@@ -5,6 +5,7 @@ the C++ glue's (one set of messages, csrc/api/common.cpp)."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -91,9 +92,42 @@ def check_mask_lengths(seq_lengths, lq: int, lk: int) -> None:
         )
 
 
+# FlexAttention BlockMasks converted so far, by mask object: Flex's users pass the same BlockMask
+# at every step, and converting it (its mask_mod evaluated on every partial block) costs more than
+# the attention. An entry holds the converted mask and what it was converted from (the identity and
+# version counter of each block tensor, the mask_mod, the sizes): a tensor changed in place, or
+# replaced, converts again. Entries go with their BlockMask.
+_FLEX_CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _flex_signature(block_mask) -> tuple:
+    tensors = (
+        block_mask.kv_num_blocks,
+        block_mask.kv_indices,
+        block_mask.full_kv_num_blocks,
+        block_mask.full_kv_indices,
+    )
+    ids = tuple((id(t), t._version) if t is not None else None for t in tensors)
+    return ids, id(block_mask.mask_mod), tuple(block_mask.seq_lengths), block_mask.BLOCK_SIZE
+
+
+def from_flex_cached(block_mask) -> BlockSparseMask:
+    """BlockSparseMask.from_flex(block_mask), converted once per BlockMask (see _FLEX_CONVERTED);
+    under torch.compile it converts in the graph."""
+    if torch.compiler.is_compiling():
+        return BlockSparseMask.from_flex(block_mask)
+    signature = _flex_signature(block_mask)
+    hit = _FLEX_CONVERTED.get(block_mask)
+    if hit is not None and hit[0] == signature:
+        return hit[1]
+    converted = BlockSparseMask.from_flex(block_mask)
+    _FLEX_CONVERTED[block_mask] = (signature, converted)
+    return converted
+
+
 def block_sparse_mask(mask, query: torch.Tensor, key: torch.Tensor) -> BlockSparseMask:
     """``block_sparse_attention``'s mask argument as a BlockSparseMask for (Lq, Lk) on the query's
-    device (a FlexAttention BlockMask is converted: its mask_mod evaluated on partial blocks)."""
+    device (a FlexAttention BlockMask is converted once per mask object, see from_flex_cached)."""
     check_4d(query=query, key=key)
     check_mask_kind(mask)
     lq, lk = query.shape[-2], key.shape[-2]
@@ -103,7 +137,7 @@ def block_sparse_mask(mask, query: torch.Tensor, key: torch.Tensor) -> BlockSpar
         size = matrix_block_size(mask, lq, lk)
         result = BlockSparseMask.from_block_matrix(mask, seq_lengths=(lq, lk), block_size=size)
     else:
-        result = BlockSparseMask.from_flex(mask)
+        result = from_flex_cached(mask)
     check_mask_lengths(result.seq_lengths, lq, lk)
     if result.device != query.device:  # checked here for every route, not only by the block kernel
         raise RuntimeError(f"mask must be on the same device as query ({query.device}), got {result.device}")

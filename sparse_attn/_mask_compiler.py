@@ -115,9 +115,10 @@ def compile_mask(
     the CPU).
 
     Equal blocks: no synchronisation, from the cached host plan (interval bands: from torch ops
-    alone under ``torch.compile`` or CUDA graph capture); ``compact`` merges the identical
-    partial blocks of a band (one synchronisation). Unequal blocks: the generic path (it
-    synchronises, and always merges them). ``RandomBlocks``: drawn on the host at any block sizes.
+    alone in one op of their own under ``torch.compile`` or CUDA graph capture, never merged);
+    ``compact`` merges the identical partial blocks of a band (one synchronisation). Unequal
+    blocks: the generic path (it synchronises, and always merges them). ``RandomBlocks``: drawn
+    on the host at any block sizes.
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     lq, lk = seq_lengths
@@ -135,7 +136,7 @@ def compile_mask(
         return _realise(_union_plan(lq, bs, spec), dev)
     tracing = torch.compiler.is_compiling() or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing())
     if tracing and isinstance(spec, Interval):
-        return _band_square(lq, lk, bs, spec, dev, compact)
+        return _band_square(lq, lk, bs, spec, dev)
     return _realise(_band_plan(lq, lk, bs, spec), dev, compact)
 
 
@@ -805,20 +806,10 @@ def _dilated_2d_plan(seq_len: int, bs: int, spec: Dilated2d) -> _Plan:
     return _plan((seq_len, seq_len), bs, state, (s_max - s0, s0), diag_cls, cls, cls, bits, counts[None], runs=runs)
 
 
-def _band_square(lq: int, lk: int, bs: int, spec: Interval, dev: torch.device, compact: bool):
-    """Band mask lo <= i - j <= hi (hi None: unbounded) with bs x bs blocks, built arithmetically
-    from torch ops alone: the form of an interval's plan that torch.compile can trace and a CUDA
-    graph can capture (it copies no host array), at about ten times its device ops.
-
-    Block (qb, kb) holds d = i - j = t + r - c with t = (qb - kb) * bs, inside its rq x ck in-range
-    region (rq, ck < bs only for the ragged last block row / column). It is full iff
-    lo <= t - (ck - 1) and t + rq - 1 <= hi, empty iff t + rq - 1 < lo or t - (ck - 1) > hi, else
-    partial; a partial block's bits depend only on (t, rq, ck), and t (a multiple of bs) must lie
-    within bs - 1 of a boundary: at most 4 values, so at most 16 candidate bit patterns, enumerated
-    up front. No device synchronisation and no data-dependent shapes (when compact=False)."""
-    lo, hi = spec.lo, spec.hi
-    nq, nk = math.ceil(lq / bs), math.ceil(lk / bs)
-    bounds = [lo] + ([hi] if hi is not None else [])
+def _band_square_candidates(lq: int, lk: int, bs: int, lo: int, hi: int) -> tuple[list[int], int]:
+    """The diagonal offsets t of the candidate partial blocks of _band_square, and the widest row."""
+    nq = math.ceil(lq / bs)
+    bounds = [lo] + ([hi] if hi != _BIG else [])
     t_vals = sorted(
         {
             m * bs
@@ -827,38 +818,77 @@ def _band_square(lq: int, lk: int, bs: int, spec: Interval, dev: torch.device, c
             if abs(m * bs - b) <= bs - 1
         }
     )
-    rq_vals = (bs, lq - (nq - 1) * bs if nq else bs)
-    ck_vals = (bs, lk - (nk - 1) * bs if nk else bs)
-    hi_ = hi if hi is not None else _BIG
-    r = torch.arange(bs, device=dev)[:, None]
-    c = torch.arange(bs, device=dev)[None, :]
+    # Widest row, from the band's key range per query block: a host computation, so building the
+    # mask on the GPU needs no synchronisation.
+    width = 0
+    for qb in range(nq):
+        j0, j1 = max(qb * bs - hi, 0), min(min(qb * bs + bs, lq) - 1 - lo, lk - 1)
+        if j1 >= j0:
+            width = max(width, j1 // bs - j0 // bs + 1)
+    return t_vals, width
+
+
+@torch.library.custom_op("sparse_attn::_band_square", mutates_args=())
+def _band_square_op(
+    lq: int, lk: int, bs: int, lo: int, hi: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Band mask lo <= i - j <= hi with bs x bs blocks, built arithmetically from torch ops alone:
+    the form of an interval's plan that torch.compile can trace and a CUDA graph can capture (it
+    copies no host array), at about ten times its device ops. An op of its own, so that inductor
+    calls it rather than lowering its index arithmetic (which it failed to compile beyond one block).
+
+    Block (qb, kb) holds d = i - j = t + r - c with t = (qb - kb) * bs, inside its rq x ck in-range
+    region (rq, ck < bs only for the ragged last block row / column). It is full iff
+    lo <= t - (ck - 1) and t + rq - 1 <= hi, empty iff t + rq - 1 < lo or t - (ck - 1) > hi, else
+    partial; a partial block's bits depend only on (t, rq, ck), and t (a multiple of bs) must lie
+    within bs - 1 of a boundary: at most 4 values, so at most 16 candidate bit patterns, enumerated
+    up front. No device synchronisation and no data-dependent shapes. Returns the mask's
+    kv_num_blocks, kv_indices, kv_partial and partial_masks (identical partial blocks not merged)."""
+    nq, nk = math.ceil(lq / bs), math.ceil(lk / bs)
+    t_vals, width = _band_square_candidates(lq, lk, bs, lo, hi)
+    rq_vals = (bs, lq - (nq - 1) * bs)
+    ck_vals = (bs, lk - (nk - 1) * bs)
+    r = torch.arange(bs, device=device)[:, None]
+    c = torch.arange(bs, device=device)[None, :]
     cands = [
-        (t + r - c >= lo) & (t + r - c <= hi_) & (r < rq) & (c < ck) for t in t_vals for rq in rq_vals for ck in ck_vals
+        (t + r - c >= lo) & (t + r - c <= hi) & (r < rq) & (c < ck) for t in t_vals for rq in rq_vals for ck in ck_vals
     ]
-    cands = torch.stack(cands) if cands else torch.zeros(0, bs, bs, dtype=torch.bool, device=dev)
-    qb = torch.arange(nq, device=dev)[:, None]
-    kb = torch.arange(nk, device=dev)[None, :]
+    cands = torch.stack(cands) if cands else torch.zeros(0, bs, bs, dtype=torch.bool, device=device)
+    qb = torch.arange(nq, device=device)[:, None]
+    kb = torch.arange(nk, device=device)[None, :]
     t = (qb - kb) * bs
     rq = (lq - qb * bs).clamp(max=bs)
     ck = (lk - kb * bs).clamp(max=bs)
-    full = (t - (ck - 1) >= lo) & (t + rq - 1 <= hi_)
-    empty = (t + rq - 1 < lo) | (t - (ck - 1) > hi_)
+    full = (t - (ck - 1) >= lo) & (t + rq - 1 <= hi)
+    empty = (t + rq - 1 < lo) | (t - (ck - 1) > hi)
     t_idx = torch.zeros_like(t)
     for n, tv in enumerate(t_vals):
         t_idx = torch.where(t == tv, n, t_idx)
     cand_id = t_idx * 4 + (rq != bs).long() * 2 + (ck != bs).long()
     table = torch.where(full, _FULL, torch.where(empty, _NONE, cand_id)).to(torch.int32)[None, None]
-    # Widest row, from the band's key range per query block: a small CPU computation, so building
-    # the mask on the GPU needs no synchronisation.
-    i0 = torch.arange(nq, dtype=torch.int64) * bs
-    i1 = (i0 + bs).clamp(max=lq) - 1
-    j0 = (i0 - hi_).clamp(min=0)
-    j1 = (i1 - lo).clamp(max=lk - 1)
-    counts = torch.where(j1 >= j0, j1 // bs - j0 // bs + 1, 0)
-    width = int(counts.max()) if nq else 0
-    return BlockSparseMask._from_table(
-        table, pack_bits(cands), (lq, lk), (bs, bs), max_kv_blocks=width, compact=compact
+    mask = BlockSparseMask._from_table(table, pack_bits(cands), (lq, lk), (bs, bs), max_kv_blocks=width, compact=False)
+    return tuple(t.clone() for t in mask._tensors())
+
+
+@_band_square_op.register_fake
+def _(lq, lk, bs, lo, hi, device):
+    nq = math.ceil(lq / bs)
+    t_vals, width = _band_square_candidates(lq, lk, bs, lo, hi)
+    i32 = {"dtype": torch.int32, "device": device}
+    return (
+        torch.empty(1, 1, nq, **i32),
+        torch.empty(1, 1, nq, width, **i32),
+        torch.empty(1, 1, nq, width, **i32),
+        torch.empty(len(t_vals) * 4, bs, bs // 32, **i32),
     )
+
+
+def _band_square(lq: int, lk: int, bs: int, spec: Interval, dev: torch.device) -> BlockSparseMask:
+    """An interval's mask from _band_square_op (partial blocks not merged: merging them needs a
+    synchronisation, which tracing and graph capture forbid)."""
+    hi = spec.hi if spec.hi is not None else _BIG
+    tensors = torch.ops.sparse_attn._band_square(lq, lk, bs, spec.lo, hi, dev)
+    return BlockSparseMask._trusted(*tensors, (lq, lk), (bs, bs))
 
 
 # ------------------------------------------------------------------------------------ random blocks

@@ -190,8 +190,8 @@ def _explain_block_sparse(a, tgt) -> Plan:
             size = tuple(mask.BLOCK_SIZE) if isinstance(mask.BLOCK_SIZE, tuple) else (mask.BLOCK_SIZE,) * 2
             _args.check_mask_lengths(mask.seq_lengths, lq, lk)
             why = (
-                "a FlexAttention BlockMask, converted on every call (convert once with "
-                "BlockSparseMask.from_flex): the block-sparse kernel over its lists"
+                "a FlexAttention BlockMask (converted to a BlockSparseMask on its first call, the conversion "
+                "kept with the mask object): the block-sparse kernel over its lists"
             )
         route = Route("block_kernel", size, why)
     if route.kind == "flash_causal":

@@ -138,9 +138,11 @@ def block_sparse_attention(
         As in :func:`flash_attention`.
     mask : BlockSparseMask, FlexAttention BlockMask, or bool Tensor
         Built for (Lq, Lk). A bool tensor is a block matrix (B|1, H|1, nQb, nKb) of full blocks
-        (block size 128, or 64 if only that matches). A ``BlockMask`` is converted on every call
-        (its ``mask_mod`` is evaluated on the partial blocks): convert it once with
-        :meth:`BlockSparseMask.from_flex` when it is reused.
+        (block size 128, or 64 if only that matches). A ``BlockMask`` is converted once
+        (its ``mask_mod`` evaluated on the partial blocks, as :meth:`BlockSparseMask.from_flex`)
+        and the conversion kept with the mask object: passing the same BlockMask at every step
+        costs no conversion. Its block tensors changed in place convert again; a ``mask_mod``
+        whose captured tensors change needs a new BlockMask (as with Flex itself).
     scale : float, optional
         Softmax scale, default ``1 / sqrt(D)``.
     return_lse : bool

@@ -86,9 +86,9 @@ def causal(
     ``flash_attention(causal=True)``, the same attention without the mask's block lists.
 
     With equal query and key blocks the build needs no device synchronisation and has no
-    data-dependent shapes (so it can run under ``torch.compile`` or CUDA graph capture) when
-    ``compact=False``; ``compact=True`` (default) also merges identical partial blocks, which
-    needs one synchronisation.
+    data-dependent shapes when ``compact=False``; ``compact=True`` (default) also merges identical
+    partial blocks, which needs one synchronisation. Under ``torch.compile`` or CUDA graph capture
+    the mask is built without that merge (whatever ``compact`` says), so it traces at any length.
 
     Examples
     --------

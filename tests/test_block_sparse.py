@@ -3,6 +3,7 @@ the defined empty rows, NaN canaries, metamorphic properties and seeded random-m
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 
@@ -142,6 +143,36 @@ def test_accepts_block_sparse_mask_flex_block_mask_and_bool_block_matrix(device)
     check_attention(out, None, q, k, v, mask=mask.to_dense(), name="2-D bool block matrix")
 
 
+def test_flex_block_mask_is_converted_once_per_mask(monkeypatch, device):
+    # Flex users pass their BlockMask at every step: the conversion (mask_mod over the partial
+    # blocks) runs on the first call and is kept with the mask object; block tensors changed in
+    # place, or another BlockMask, convert again; the output is the converted-once mask's.
+    from sparse_attn import _args
+
+    calls = []
+    real = BlockSparseMask.from_flex
+    monkeypatch.setattr(BlockSparseMask, "from_flex", staticmethod(lambda bm: calls.append(bm) or real(bm)))
+    L = 320
+    q, k, v = make_qkv(1, 2, 2, L, L, 64, device=device, seed=3)
+    block_mask = create_block_mask(lambda b, h, i, j: (i - j < 100) & (j <= i), None, None, L, L, device=device)
+    want = sparse_attn.block_sparse_attention(q, k, v, real(block_mask))
+    for _ in range(3):
+        assert torch.equal(sparse_attn.block_sparse_attention(q, k, v, block_mask), want)
+    assert len(calls) == 1
+    block_mask.kv_num_blocks[..., 0] = 0  # query block 0 now lists no key block: converted again
+    out = sparse_attn.block_sparse_attention(q, k, v, block_mask)
+    assert len(calls) == 2 and (out[:, :, :128] == 0).all() and torch.equal(out[:, :, 128:], want[:, :, 128:])
+    other = create_block_mask(lambda b, h, i, j: j <= i, None, None, L, L, device=device)
+    sparse_attn.block_sparse_attention(q, k, v, other)
+    assert len(calls) == 3
+    assert block_mask in _args._FLEX_CONVERTED and other in _args._FLEX_CONVERTED
+    held = len(_args._FLEX_CONVERTED)
+    del block_mask, other
+    calls.clear()
+    gc.collect()
+    assert len(_args._FLEX_CONVERTED) == held - 2  # entries go with their BlockMask
+
+
 def test_rejects_mask_for_other_lengths_or_of_wrong_type():
     q, k, v = make_qkv(1, 2, 2, 200, 300, 64, dtype=torch.bfloat16, seed=8)
     with pytest.raises(ValueError, match="seq_lengths"):
@@ -231,12 +262,8 @@ def test_nan_in_a_visible_key_propagates():
     dense[0, [3, 7]] = True  # key 7 is the last visible key of row 0
     dense[1, [7, 9]] = True
     dense[2:] = True
-    out, lse = sparse_attn.block_sparse_attention(
-        q, k, v, BlockSparseMask.from_element_mask(dense), return_lse=True
-    )
-    assert bool(torch.isnan(out[0, 0]).all(-1).all()), (
-        f"rows without NaN: {(~torch.isnan(out[0, 0, :, 0])).nonzero()}"
-    )
+    out, lse = sparse_attn.block_sparse_attention(q, k, v, BlockSparseMask.from_element_mask(dense), return_lse=True)
+    assert bool(torch.isnan(out[0, 0]).all(-1).all()), f"rows without NaN: {(~torch.isnan(out[0, 0, :, 0])).nonzero()}"
     assert bool(torch.isnan(lse).all())
 
 
@@ -316,9 +343,7 @@ def test_batch_invariance(dtype, mask_batch, device):
     q, k, v = make_qkv(b, h, hkv, lq, lk, 128, dtype=dtype, device=device, seed=17)
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
     for i in range(b):
-        alone_mask = (
-            mask if mask_batch == 1 else BlockSparseMask.from_element_mask(dense[i : i + 1], block_size=bs)
-        )
+        alone_mask = mask if mask_batch == 1 else BlockSparseMask.from_element_mask(dense[i : i + 1], block_size=bs)
         o, l = sparse_attn.block_sparse_attention(
             q[i : i + 1], k[i : i + 1], v[i : i + 1], alone_mask.to(device), return_lse=True
         )
@@ -384,9 +409,7 @@ def _run_fuzz(seed, device, max_len):
     _poison_allocator()
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask.to(device), return_lse=True)
     replay = f"replay: pytest tests/test_block_sparse.py -k 'fuzz and {device}-{seed}]'"
-    check_attention(
-        out, lse, q, k, v, mask=mask.to_dense().to(device), name=f"fuzz seed={seed} {desc}; {replay}"
-    )
+    check_attention(out, lse, q, k, v, mask=mask.to_dense().to(device), name=f"fuzz seed={seed} {desc}; {replay}")
 
 
 @pytest.mark.parametrize("seed", range(40))

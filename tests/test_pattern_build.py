@@ -268,7 +268,7 @@ def test_traceable_band_form_agrees(lengths, block_size):
     cpu = torch.device("cpu")
     for lo, hi in [(-(lk - lq), None), (0, None), (-99, 99), (0, 63), (-64, 0), (5, 300), (-5000, 5000)]:
         fast = compiler.compile_mask(compiler.Interval(lo, hi), (lq, lk), (block_size, block_size), cpu)
-        traced = compiler._band_square(lq, lk, block_size, compiler.Interval(lo, hi), cpu, False)
+        traced = compiler._band_square(lq, lk, block_size, compiler.Interval(lo, hi), cpu)
         assert torch.equal(fast.to_dense(), traced.to_dense())
 
 

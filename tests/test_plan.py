@@ -116,7 +116,7 @@ def test_block_matrix_and_flex_masks_take_the_block_kernel():
     assert plan.route == "block_kernel" and "block matrix" in plan.why
     bm = flex.create_block_mask(lambda b, h, i, j: i >= j, None, None, L, L, device="cpu")
     plan = sparse_attn.explain(sparse_attn.block_sparse_attention, q, k, v, bm)
-    assert plan.route == "block_kernel" and "converted on every call" in plan.why
+    assert plan.route == "block_kernel" and "converted to a BlockSparseMask on its first call" in plan.why
 
 
 def test_topk_routes():

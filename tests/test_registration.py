@@ -126,18 +126,14 @@ def _public_calls():
             causal=True,
             return_lse=True,
         ),
-        "flash": lambda q, k, v: sparse_attn.flash_attention(
-            q, k, v, causal=True, window=(8, None), return_lse=True
-        ),
+        "flash": lambda q, k, v: sparse_attn.flash_attention(q, k, v, causal=True, window=(8, None), return_lse=True),
         "block_sparse": lambda q, k, v: (
             sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True),
             sparse_attn.block_sparse_attention(q, k, v, blocks, scale=0.1),
         ),
         "topk": lambda q, k, v: (
             sparse_attn.topk_attention(q, k, v, 8, causal=True, return_indices=True, return_lse=True),
-            sparse_attn.topk_attention(
-                q, k, v, 8, index_query=iq, index_key=ik, index_weights=iw, return_indices=True
-            ),
+            sparse_attn.topk_attention(q, k, v, 8, index_query=iq, index_key=ik, index_weights=iw, return_indices=True),
             sparse_attn.topk_attention(q, k, v, 1, block_size=64, return_indices=True),
         ),
     }
@@ -176,15 +172,42 @@ def test_compile_fullgraph_matches_eager(name):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_compile_topk_block_mode_causal():
+@pytest.mark.parametrize("lq,lk", [(40, 56), (200, 200), (150, 330)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compile_topk_block_mode(lq, lk, causal):
+    # Several 64-blocks: the causal selection builds patterns.causal's mask inside the graph.
     torch._dynamo.reset()
 
     def fn(q, k, v):
-        return sparse_attn.topk_attention(q, k, v, 1, block_size=64, causal=True, return_indices=True)
+        return sparse_attn.topk_attention(q, k, v, 2, block_size=64, causal=causal, return_indices=True)
 
-    q, k, v = _qkv()
+    q, k, v = _qkv(lq=lq, lk=lk)
     for a, b in zip(fn(q, k, v), torch.compile(fn, fullgraph=True)(q, k, v), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("length", [64, 129, 512, 1000])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_compile_pattern_construction(length, block_size):
+    # Patterns built inside a compiled function (the band builder is one op of its own there): the
+    # same mask as eager (without merged partial blocks), and the same attention through it, at
+    # lengths of one and of many blocks.
+    q, k, v = _qkv(lq=length, lk=length)
+    builders = {
+        "causal": (lambda: patterns.causal(length, length, block_size=block_size, compact=False), length),
+        "causal_compact": (lambda: patterns.causal(length - 7, length, block_size=block_size), length - 7),
+        "window": (lambda: patterns.sliding_window(length, 100, block_size=block_size), length),
+        "causal_window": (lambda: patterns.sliding_window(length, 300, causal=True, block_size=block_size), length),
+    }
+    for name, (build, lq) in builders.items():
+        torch._dynamo.reset()
+        traced = torch.compile(lambda build=build: build().to_dense(), fullgraph=True)()
+        assert torch.equal(traced, build().to_dense()), name
+
+        def fn(q, k, v, build=build):
+            return sparse_attn.block_sparse_attention(q, k, v, build())
+
+        assert torch.equal(torch.compile(fn, fullgraph=True)(q[:, :, :lq], k, v), fn(q[:, :, :lq], k, v)), name
 
 
 def test_compile_dynamic_shapes():
@@ -266,3 +289,37 @@ def test_backward_raises_for_each_op(name):
         torch.autograd.grad(out.sum(), [args[0]])
     with pytest.raises(NotImplementedError, match=r"forward-only"):
         torch.autograd.grad(lse.sum(), [args[0]])
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("devices", r"query and key must be on the same device"),
+        ("heads", r"number of query heads \(3\) must be a multiple"),
+        ("dtype", r"query and value must have the same dtype"),
+        ("head_dim", r"head dimension of query and key must be a multiple of 8"),
+        ("mask_device", r"kv_num_blocks must be on the same device as query"),
+    ],
+)
+def test_fake_kernels_check_like_the_real_ones(case, match):
+    # Meta tensors reach the fake kernels: they refuse what the real kernels refuse (a meta query
+    # with a CPU key used to return an uninitialised output), in the same words.
+    meta = lambda *shape, dtype=torch.float32: torch.empty(*shape, device="meta", dtype=dtype)  # noqa: E731
+    q, k, v = meta(1, 4, 8, 64), meta(1, 2, 8, 64), meta(1, 2, 8, 64)
+    if case == "devices":
+        k = torch.empty(1, 2, 8, 64)
+    elif case == "heads":
+        q = meta(1, 3, 8, 64)
+    elif case == "dtype":
+        v = meta(1, 2, 8, 64, dtype=torch.float16)
+    elif case == "head_dim":
+        q, k = meta(1, 4, 8, 60), meta(1, 2, 8, 60)
+    if case == "mask_device":
+        mask = patterns.causal(8, 8, block_size=64)
+        with pytest.raises(RuntimeError, match=match):
+            OPS.block_sparse_fwd(q, k, v, *mask._tensors(), 64, 64)
+        return
+    with pytest.raises(RuntimeError, match=match):
+        OPS.flash_fwd(q, k, v)
+    out, lse = OPS.flash_fwd(meta(1, 4, 8, 64), meta(1, 2, 8, 64), meta(1, 2, 8, 64))
+    assert out.shape == (1, 4, 8, 64) and lse.shape == (1, 4, 8)
