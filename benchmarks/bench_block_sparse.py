@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 import sparse_attn
 from sparse_attn import BlockSparseMask, patterns
-from sparse_attn.bench import flex_fn, ratio_median, tflops, time_ms, time_rounds
+from sparse_attn.bench import flex_fn, ratio_median, require_cuda, tflops, time_ms, time_rounds
 
 BLOCK = 128
 
@@ -143,12 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds per pattern (ours, Flex, dense)")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(
-            "bench_block_sparse.py times GPU kernels and needs a CUDA device; on the CPU, "
-            "./scripts/bench.sh (python -m sparse_attn.bench) times every op at small sizes.",
-            file=sys.stderr,
-        )
+    if not require_cuda("bench_block_sparse.py"):
         return 2
     dev = torch.device("cuda")
     from torch.nn.attention.flex_attention import create_block_mask

@@ -23,6 +23,7 @@ from sparse_attn.bench import (
     flex_fn,
     naive_attention,
     peak_extra_bytes,
+    require_cuda,
     run_sdpa,
     sdpa_backends,
     tflops,
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dense-limit", type=int, default=8192)
     parser.add_argument("--markdown", default=None, help="also write the table as markdown to this file")
     args = parser.parse_args(argv)
+    if not require_cuda("bench_flash.py"):
+        return 2
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     header = (

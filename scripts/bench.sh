@@ -4,5 +4,8 @@
 # `python -m sparse_attn.bench` (try --help).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
+# The main job's progress bar and plots (optional: without them it prints lines and no plots).
+"$PY" -c "import matplotlib, tqdm" 2>/dev/null || "$PY" -m pip install -q matplotlib tqdm ||
+  echo "note: matplotlib/tqdm not installed: no plots or progress bar"
 cd "$ROOT"
 exec "$PY" -m sparse_attn.bench "$@"

@@ -1,25 +1,32 @@
-"""The main job: time every op and the references on this machine, print one table.
+"""The main job: time every op and the references on this machine, print the table and a summary.
 
     python -m sparse_attn.bench                  # small defaults (about a minute on a CPU)
     python -m sparse_attn.bench --lengths 4096 8192 --dtype bfloat16 --batch 2 --heads 16
+    python -m sparse_attn.bench --csv out/bench.csv --json out/bench.json   # + PNG plots beside them
 
-For each case it reports the median time, achieved TFLOP/s (4 * D FLOPs per computed
-(query, key) pair: the pairs the op actually computes, so sparse ops are not credited for
-skipped work), peak extra device memory (CUDA only) and the max error against an fp32
-reference with the same mask. References run in the same process: SDPA (each backend that
-accepts the case), FlexAttention (compiled on CUDA, eager on the CPU) and naive PyTorch
-(matmul, softmax, matmul).
+For each case it reports the median time, the achieved rate (4 * D FLOPs per computed (query,
+key) pair: the pairs the op actually computes, so sparse ops are not credited for skipped work;
+GFLOP/s on the CPU, TFLOP/s on a GPU), peak extra device memory (CUDA only) and the max error
+against an fp32 reference with the same mask. References run in the same process: SDPA (each
+backend that accepts the case), FlexAttention (compiled on CUDA, eager on the CPU) and naive
+PyTorch (matmul, softmax, matmul). The summary answers "how much faster than SDPA / Flex / naive
+here, at what accuracy": per case, reference time / our time (> 1: ours is faster) next to our
+error. With --csv or --json, PNG plots are written beside the file (matplotlib, when installed):
+time and memory against length, speed-up and error against density.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -109,16 +116,155 @@ class Row:
     mem_mib: float | None
     max_err: float | None
     note: str = ""
+    length: int = 0
+    density: float = 1.0  # computed pairs / (Lq * Lk) of the case
 
 
-def format_table(rows: list[Row]) -> str:
-    head = f"{'case':<34} {'impl':<26} {'ms':>9} {'TFLOP/s':>8} {'peak MiB':>9} {'max err':>9}  note"
+def format_table(rows: list[Row], gpu: bool) -> str:
+    """The rows; the rate in TFLOP/s on a GPU, GFLOP/s on the CPU; peak memory only on a GPU (the
+    CPU has no allocator statistics); notes only where a row has one."""
+    unit, scale = ("TFLOP/s", 1.0) if gpu else ("GFLOP/s", 1e3)
+    notes = any(r.note for r in rows)
+    head = f"{'case':<34} {'impl':<26} {'ms':>9} {unit:>8}" + (f" {'peak MiB':>9}" if gpu else "") + f" {'max err':>9}"
+    head += "  note" if notes else ""
     lines = [head, "-" * len(head)]
     for r in rows:
-        mem = f"{r.mem_mib:9.1f}" if r.mem_mib is not None else f"{'-':>9}"
-        err = f"{r.max_err:9.2e}" if r.max_err is not None else f"{'-':>9}"
-        lines.append(f"{r.case:<34} {r.impl:<26} {r.ms:9.3f} {r.tflops:8.2f} {mem} {err}  {r.note}")
+        line = f"{r.case:<34} {r.impl:<26} {r.ms:9.3f} {r.tflops * scale:8.2f}"
+        if gpu:
+            line += f" {r.mem_mib:9.1f}" if r.mem_mib is not None else f" {'-':>9}"
+        line += f" {r.max_err:9.2e}" if r.max_err is not None else f" {'-':>9}"
+        lines.append(line + (f"  {r.note}" if r.note else ""))
     return "\n".join(lines)
+
+
+# Reference families of the summary: the first present of each family is the one compared.
+_FAMILIES = {
+    "SDPA": ("sdpa-cudnn", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa (dense)"),
+    "Flex": ("flex", "flex (same mask)"),
+    "naive": ("naive-pytorch",),
+}
+
+
+def summarize(rows: list[Row]) -> list[dict]:
+    """Per case and op of ours: our time, reference time / ours for each reference family
+    (> 1: ours is faster), and our max error. A sparse case without an SDPA row is compared with
+    SDPA's dense attention at its length (what skipping the work saves)."""
+    out = []
+    timed = [r for r in rows if r.ms == r.ms]  # skipped rows are NaN
+    dense_sdpa = {r.length: r.ms for r in timed if r.case.startswith("dense ") and r.impl in _FAMILIES["SDPA"]}
+    for case in dict.fromkeys(r.case for r in rows):
+        of_case = [r for r in timed if r.case == case]
+        refs = {r.impl: r.ms for r in of_case if not r.impl.startswith("ours")}
+        if of_case and not any(n in refs for n in _FAMILIES["SDPA"]) and of_case[0].length in dense_sdpa:
+            refs["sdpa (dense)"] = dense_sdpa[of_case[0].length]
+        for r in of_case:
+            if not r.impl.startswith("ours"):
+                continue
+            entry = {"case": case, "impl": r.impl, "ms": r.ms, "max_err": r.max_err, "density": r.density}
+            for family, names in _FAMILIES.items():
+                name = next((n for n in names if n in refs), None)
+                entry[f"vs {family}"] = refs[name] / r.ms if name is not None else None
+                entry[f"{family} impl"] = name
+            out.append(entry)
+    return out
+
+
+def format_summary(summary: list[dict]) -> str:
+    head = f"{'case':<34} {'ours':<20} {'ms':>9}" + "".join(f" {'vs ' + f:>9}" for f in _FAMILIES) + f" {'max err':>9}"
+    lines = [
+        "summary: reference time / our time (> 1: ours is faster; sparse ops against SDPA's dense attention "
+        "at the same length), and our max error vs fp32",
+        head,
+        "-" * len(head),
+    ]
+    for e in summary:
+        cells = "".join(f" {e[f'vs {f}']:8.2f}x" if e[f"vs {f}"] is not None else f" {'-':>9}" for f in _FAMILIES)
+        err = f" {e['max_err']:9.2e}" if e["max_err"] is not None else f" {'-':>9}"
+        lines.append(f"{e['case']:<34} {e['impl']:<20} {e['ms']:9.3f}{cells}{err}")
+    return "\n".join(lines)
+
+
+def write_results(rows: list[Row], summary: list[dict], csv_path: str | None, json_path: str | None, meta: dict):
+    """The rows as CSV and/or (with the summary and the run's settings) JSON; then the plots beside
+    the first file written. Returns the files written."""
+    written = []
+    if csv_path:
+        path = Path(csv_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()) if rows else ["case"])
+            writer.writeheader()
+            writer.writerows(asdict(r) for r in rows)
+        written.append(path)
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"run": meta, "rows": [asdict(r) for r in rows], "summary": summary}, indent=1))
+        written.append(path)
+    if written:
+        written += plot_results(rows, summary, written[0].with_suffix(""))
+    return written
+
+
+def plot_results(rows: list[Row], summary: list[dict], stem: Path) -> list[Path]:
+    """PNG plots next to the results (stem_time.png, stem_memory.png, stem_density.png): time and
+    peak memory against length per op and reference, speed-up over SDPA and max error against
+    density. Nothing (and a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed, so no plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    files = []
+    kinds = sorted({r.case.rsplit(" L=", 1)[0] for r in rows})
+    for what, attr, label in (("time", "ms", "ms (median)"), ("memory", "mem_mib", "peak extra MiB")):
+        if all(getattr(r, attr) is None for r in rows):
+            continue  # no memory statistics on the CPU
+        fig, axes = plt.subplots(1, len(kinds), figsize=(4.2 * len(kinds), 3.6), squeeze=False)
+        for ax, kind in zip(axes[0], kinds, strict=True):
+            of_kind = [r for r in rows if r.case.rsplit(" L=", 1)[0] == kind and getattr(r, attr) is not None]
+            for impl in dict.fromkeys(r.impl for r in of_kind):
+                pts = sorted((r.length, getattr(r, attr)) for r in of_kind if r.impl == impl)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            ax.set(title=kind, xlabel="sequence length", ylabel=label, xscale="log", yscale="log")
+            ax.legend(fontsize=6)
+        fig.tight_layout()
+        files.append(stem.parent / f"{stem.name}_{what}.png")
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+    sparse = [e for e in summary if e["vs SDPA"] is not None and e["density"] < 1.0]
+    if sparse:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.6))
+        for e in sparse:
+            a.scatter(e["density"], e["vs SDPA"], s=14)
+            a.annotate(e["case"], (e["density"], e["vs SDPA"]), fontsize=5)
+            if e["max_err"] is not None:
+                b.scatter(e["density"], e["max_err"], s=14)
+        a.axhline(1.0, color="grey", lw=0.5)
+        a.set(xlabel="density (computed pairs / all pairs)", ylabel="SDPA time / ours", title="speed-up vs density")
+        b.set(xlabel="density", ylabel="max error vs fp32", yscale="log", title="accuracy vs density")
+        fig.tight_layout()
+        files.append(stem.parent / f"{stem.name}_density.png")
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
+    return files
+
+
+def require_cuda(script: str) -> bool:
+    """False, after saying what the script needs and where to go instead, when no CUDA device is
+    usable (a CPU build of torch or of sparse_attn, or no GPU)."""
+    if torch.cuda.is_available() and sparse_attn.cuda_kernels_available():
+        return True
+    why = "no CUDA device" if not torch.cuda.is_available() else "sparse_attn was built without its CUDA kernels"
+    print(
+        f"{script} times GPU kernels and needs a CUDA device ({why} here); on the CPU, ./scripts/bench.sh "
+        "(python -m sparse_attn.bench) times every op at small sizes.",
+        file=sys.stderr,
+    )
+    return False
 
 
 # ------------------------------------------------------------------------------------- references
@@ -272,25 +418,52 @@ def build_cases(b, h, hkv, lq, lk, d, dtype, device, *, seed=0, causal_only=Fals
     return cases
 
 
-def run_cases(cases: list[Case], d: int, device: torch.device, *, progress=True) -> list[Row]:
+class _Progress:
+    """A progress bar (tqdm, when installed) or one line per step, on stderr."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.enabled, self.total, self.done, self.bar = enabled, total, 0, None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, file=sys.stderr, unit="run", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_description(what[:48])
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"[{self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_cases(cases: list[Case], d: int, device: torch.device, *, progress=True, length=0, full_pairs=0.0):
     rows = []
-    total = sum(len(c.ours) + len(c.refs) for c in cases)
-    done = 0
+    bar = _Progress(sum(len(c.ours) + len(c.refs) for c in cases), progress)
     for case in cases:
         gold = case.gold()
+        density = case.pairs / full_pairs if full_pairs else 1.0
         for impl, fn in list(case.ours.items()) + list(case.refs.items()):
-            done += 1
-            if progress:
-                print(f"[{done}/{total}] {case.name}: {impl}", file=sys.stderr, flush=True)
+            bar.step(f"{case.name}: {impl}")
             try:
                 out = fn()
                 err = float((out.float() - gold).abs().max()) if impl.startswith("ours") else None
                 ms = time_ms(fn, device)
                 mem = peak_extra_bytes(fn, device)
             except (RuntimeError, torch.OutOfMemoryError) as e:  # a backend that rejects the case
-                rows.append(Row(case.name, impl, float("nan"), float("nan"), None, None, f"skipped: {str(e)[:60]}"))
+                note = f"skipped: {str(e)[:60]}"
+                rows.append(Row(case.name, impl, float("nan"), float("nan"), None, None, note, length, density))
                 continue
-            rows.append(Row(case.name, impl, ms, tflops(case.pairs, d, ms), None if mem is None else mem / 2**20, err))
+            mib = None if mem is None else mem / 2**20
+            rows.append(Row(case.name, impl, ms, tflops(case.pairs, d, ms), mib, err, "", length, density))
+    bar.close()
     return rows
 
 
@@ -303,10 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=None)
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--csv", default=None, help="also write the rows as CSV (plots go beside it)")
+    parser.add_argument("--json", default=None, help="also write rows, summary and settings as JSON")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if cuda and not require_cuda("python -m sparse_attn.bench --device cuda"):
+        return 2
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     lengths = args.lengths or ([1024, 4096] if cuda else [256, 1024])
     b = args.batch or (2 if cuda else 1)
@@ -322,8 +499,23 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for length in lengths:
         cases = build_cases(b, h, hkv, length, length, args.head_dim, dtype, device)
-        rows += run_cases(cases, args.head_dim, device, progress=not args.quiet)
-    print(format_table(rows))
+        full = float(b * h * length * length)
+        rows += run_cases(cases, args.head_dim, device, progress=not args.quiet, length=length, full_pairs=full)
+    print(format_table(rows, cuda))
+    summary = summarize(rows)
+    print()
+    print(format_summary(summary))
+    meta = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "batch": b,
+        "heads": h,
+        "kv_heads": hkv,
+        "head_dim": args.head_dim,
+    }
+    for path in write_results(rows, summary, args.csv, args.json, meta):
+        print(f"wrote {path}")
     return 0
 
 

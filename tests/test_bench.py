@@ -69,3 +69,37 @@ def test_block_sparse_benchmark_without_cuda_exits_with_a_message(monkeypatch, c
     assert module.main(["--lengths", "1024", "--build-lengths"]) == 2
     err = capsys.readouterr().err
     assert "needs a CUDA device" in err and "sparse_attn.bench" in err
+
+
+def test_main_job_writes_summary_csv_json_and_plots(tmp_path, capsys):
+    # The main job on the CPU at one tiny length: the summary gives reference / ours per family,
+    # sparse cases against SDPA's dense attention; the files (and plots, with matplotlib) exist.
+    pytest.importorskip("matplotlib")
+    csv_path, json_path = tmp_path / "r" / "bench.csv", tmp_path / "r" / "bench.json"
+    assert bench.main(["--lengths", "256", "--quiet", "--csv", str(csv_path), "--json", str(json_path)]) == 0
+    out = capsys.readouterr().out
+    assert "GFLOP/s" in out and "peak MiB" not in out and "summary:" in out
+    data = __import__("json").loads(json_path.read_text())
+    summary = {(e["case"], e["impl"]): e for e in data["summary"]}
+    flash = summary[("dense L=256", "ours-flash")]
+    rows = {(r["case"], r["impl"]): r for r in data["rows"]}
+    assert flash["vs SDPA"] == pytest.approx(
+        rows[("dense L=256", "sdpa")]["ms"] / rows[("dense L=256", "ours-flash")]["ms"]
+    )
+    window = next(e for e in data["summary"] if e["case"].startswith("window"))
+    assert window["SDPA impl"] == "sdpa (dense)" and window["density"] < 1 and window["max_err"] < 1e-4
+    assert csv_path.read_text().splitlines()[0].startswith("case,impl,ms,tflops")
+    assert (tmp_path / "r" / "bench_time.png").stat().st_size > 0
+    assert (tmp_path / "r" / "bench_density.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("script", ["bench_flash.py", "bench_block_sparse.py"])
+def test_gpu_benchmarks_without_cuda_exit_with_a_message(monkeypatch, capsys, script):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(script[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert module.main([]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert bench.main(["--device", "cuda"]) == 2

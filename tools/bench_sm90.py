@@ -9,6 +9,7 @@ drifts by several per cent over a run).
 
 import argparse
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sparse_attn
 from sparse_attn._plan import overrides
-from sparse_attn.bench import flex_fn, ratio_median, time_rounds
+from sparse_attn.bench import flex_fn, ratio_median, require_cuda, time_rounds
 
 
 def with_options(fn, **options):
@@ -39,6 +40,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--rounds", type=int, default=3, help="rounds in which every variant and reference is timed once")
     args = ap.parse_args()
+    if not require_cuda("tools/bench_sm90.py"):
+        return 2
     dev = torch.device("cuda")
     torch._dynamo.config.cache_size_limit = 64  # one compile per shape; never fall back to eager
     flex = flex_fn(dev)
@@ -108,4 +111,4 @@ def run_case(args, dtype, d, causal, L, flex, dev):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
