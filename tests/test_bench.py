@@ -76,15 +76,15 @@ def test_main_job_writes_summary_csv_json_and_plots(tmp_path, capsys):
     # sparse cases against SDPA's dense attention; the files (and plots, with matplotlib) exist.
     pytest.importorskip("matplotlib")
     csv_path, json_path = tmp_path / "r" / "bench.csv", tmp_path / "r" / "bench.json"
-    assert bench.main(["--lengths", "256", "--quiet", "--csv", str(csv_path), "--json", str(json_path)]) == 0
+    assert bench.main(["--lengths", "512", "--quiet", "--csv", str(csv_path), "--json", str(json_path)]) == 0
     out = capsys.readouterr().out
     assert "GFLOP/s" in out and "peak MiB" not in out and "summary:" in out
     data = __import__("json").loads(json_path.read_text())
     summary = {(e["case"], e["impl"]): e for e in data["summary"]}
-    flash = summary[("dense L=256", "ours-flash")]
+    flash = summary[("dense L=512", "ours-flash")]
     rows = {(r["case"], r["impl"]): r for r in data["rows"]}
     assert flash["vs SDPA"] == pytest.approx(
-        rows[("dense L=256", "sdpa")]["ms"] / rows[("dense L=256", "ours-flash")]["ms"]
+        rows[("dense L=512", "sdpa")]["ms"] / rows[("dense L=512", "ours-flash")]["ms"]
     )
     window = next(e for e in data["summary"] if e["case"].startswith("window"))
     assert window["SDPA impl"] == "sdpa (dense)" and window["density"] < 1 and window["max_err"] < 1e-4
