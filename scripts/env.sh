@@ -13,8 +13,9 @@ else
 fi
 export PY
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
-"$PY" -c "import pytest, numpy, ninja, setuptools, wheel" 2>/dev/null ||
-  "$PY" -m pip install -q pytest numpy ninja setuptools wheel
+# transformers: the tests of sparse_attn.integrations.transformers run a tiny model with it.
+"$PY" -c "import pytest, numpy, ninja, setuptools, wheel, transformers" 2>/dev/null ||
+  "$PY" -m pip install -q pytest numpy ninja setuptools wheel transformers
 mkdir -p "$ROOT/build"
 echo "building sparse_attn (incremental; full log: $ROOT/build/build.log)"
 (cd "$ROOT" && set -o pipefail && "$PY" setup.py build_ext --inplace 2>&1 | tee "$ROOT/build/build.log" |

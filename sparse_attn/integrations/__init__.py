@@ -1,0 +1,2 @@
+"""Integrations with model libraries (imported on demand: ``from sparse_attn.integrations import
+transformers``)."""

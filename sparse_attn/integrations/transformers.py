@@ -1,0 +1,152 @@
+"""Hugging Face transformers: ``attn_implementation="sparse_attn"``.
+
+    import sparse_attn.integrations.transformers as sa_hf
+    sa_hf.register()                                          # once per process
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sparse_attn")
+    sa_hf.configure(model, mode="sliding_window", window=256)  # switchable at run time
+    sa_hf.configure(model, mode="topk", k=256, layers={0: {"mode": "dense"}})  # per layer
+
+Each attention layer of the model then calls :func:`attention_forward`, which runs the layer's
+mode (:class:`LayerConfig`) with sparse_attn's ops: GQA without repeating K/V, bottom-right causal
+(so prefill and KV-cache decode both work), the output already in the (B, L, H, D) layout the
+layer's projection reads. A padding or other boolean mask from the model is honoured exactly
+(a block-sparse mask of its elements, converted once per forward); an additive float mask
+(e.g. a position bias) goes to ``dense_attention``. Dropout is not supported (inference and
+dropout-free training only).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from .. import ops
+from ..masks import BlockSparseMask
+
+__all__ = ["LayerConfig", "attention_forward", "configure", "register"]
+
+NAME = "sparse_attn"  # transformers rejects implementation names containing "flash"
+_MODES = ("dense", "sliding_window", "topk", "block_topk")
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """What one attention layer runs.
+
+    - ``mode="dense"``: ``flash_attention`` (causal when the layer is);
+    - ``"sliding_window"``: each query sees its ``window`` most recent keys, itself included
+      (``flash_attention(window=(window - 1, 0))``, the convention of Mistral's ``sliding_window``);
+    - ``"topk"``: ``topk_attention`` over the ``k`` best keys per query and head;
+    - ``"block_topk"``: ``topk_attention`` over the ``k`` best key blocks of ``block_size``.
+
+    ``dense_below``: keys below this count run dense whatever the mode (short prompts gain nothing
+    from sparsity).
+    """
+
+    mode: str = "dense"
+    window: int = 256
+    k: int = 256
+    block_size: int = 64
+    dense_below: int = 0
+
+    def __post_init__(self):
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        for name in ("window", "k", "block_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+
+
+def register() -> None:
+    """Add ``attn_implementation="sparse_attn"`` to transformers (and its mask interface, which
+    gives the layers a boolean mask only where one is needed: padding, or a pattern of the model)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def configure(model, layers: dict[int, dict] | None = None, **config) -> None:
+    """Set the layers' mode on a loaded model: ``config`` (the fields of :class:`LayerConfig`) for
+    every layer, ``layers`` {layer index: fields} on top of it. Takes effect at the next forward."""
+    base = LayerConfig(**config)
+    per_layer = {str(int(i)): asdict(replace(base, **c)) for i, c in (layers or {}).items()}
+    # Plain dicts on the model's config, so save_pretrained writes them with it.
+    model.config.sparse_attn = {"base": asdict(base), "layers": per_layer}
+
+
+def _layer_config(module) -> LayerConfig:
+    settings = getattr(getattr(module, "config", None), "sparse_attn", None)
+    if settings is None:
+        return LayerConfig()
+    return LayerConfig(**settings["layers"].get(str(getattr(module, "layer_idx", None)), settings["base"]))
+
+
+# Boolean masks converted so far: transformers hands every layer the same mask tensor in a
+# forward, so it is converted once. By tensor id, checked against a weak reference (a tensor is no
+# dictionary key: == compares elements) and its version counter (an in-place change converts
+# again); entries whose tensor is gone are dropped as new ones come.
+_CONVERTED: dict[int, tuple[weakref.ref, int, BlockSparseMask]] = {}
+
+
+def _block_mask(mask: torch.Tensor) -> BlockSparseMask:
+    hit = _CONVERTED.get(id(mask))
+    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
+        return hit[2]
+    for key in [k for k, v in _CONVERTED.items() if v[0]() is None]:
+        del _CONVERTED[key]
+    converted = BlockSparseMask.from_element_mask(mask.expand(mask.shape[0], 1, *mask.shape[2:]), block_size=64)
+    _CONVERTED[id(mask)] = (weakref.ref(mask), mask._version, converted)
+    return converted
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: query (B, H, Lq, D), key and value (B, Hkv, Lk, D)
+    (K/V not repeated for GQA), the layer's mask or None; returns ((B, Lq, H, D), None)."""
+    if dropout and module.training:
+        raise NotImplementedError("sparse_attn attention has no dropout; set the model's attention_dropout to 0")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("sparse_attn attention does not take softcap")
+    config = _layer_config(module)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    lq, lk = query.shape[2], key.shape[2]
+    mode = config.mode if lk >= config.dense_below else "dense"
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool:  # an additive bias: the naive path takes it as is
+            out = ops.dense_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+            return out.transpose(1, 2), None
+        if mode == "sliding_window":  # the window within the model's mask
+            i = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
+            j = torch.arange(lk, device=query.device)[None, :]
+            attention_mask = attention_mask & ((i - j).abs() < config.window)
+        elif mode != "dense":
+            raise NotImplementedError(
+                f"sparse_attn mode {mode!r} does not take the model's attention mask (padding) yet; "
+                "use unpadded batches, or mode='dense' / 'sliding_window'"
+            )
+        out = ops.block_sparse_attention(query, key, value, _block_mask(attention_mask), scale=scaling)
+    elif mode == "dense":
+        out = ops.flash_attention(query, key, value, causal=causal, scale=scaling)
+    elif mode == "sliding_window":  # a bidirectional layer sees the window on both sides
+        right = 0 if causal else config.window - 1
+        out = ops.flash_attention(query, key, value, window=(config.window - 1, right), scale=scaling)
+    elif mode == "topk":
+        out = ops.topk_attention(query, key, value, config.k, causal=causal, scale=scaling)
+    else:
+        out = ops.topk_attention(
+            query, key, value, config.k, block_size=config.block_size, causal=causal, scale=scaling
+        )
+    return out.transpose(1, 2), None

@@ -1,0 +1,137 @@
+"""The Hugging Face transformers integration (attn_implementation="sparse_attn") against the same
+tiny randomly initialised models run with SDPA: prefill, padded batches, KV-cache generation, GQA,
+Mistral's sliding window, each mode and per-layer settings. The real-model accuracy study is a
+benchmark, not a test."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import sparse_attn.integrations.transformers as sa_hf  # noqa: E402
+
+sa_hf.register()
+
+
+def _model(kind="llama", attn="sparse_attn", seed=0, **extra):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attention_dropout=0.0,
+        **extra,
+    )
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.MistralConfig(**common)
+        model = transformers.MistralForCausalLM(config)
+    model.set_attn_implementation(attn)
+    return model.eval()
+
+
+def _pair(kind="llama", **extra):
+    ours = _model(kind, "sparse_attn", **extra)
+    ref = _model(kind, "sdpa", **extra)
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+def _ids(b=2, length=48, seed=1):
+    return torch.randint(0, 97, (b, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def test_prefill_equals_sdpa():
+    ours, ref = _pair()
+    ids = _ids()
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=2e-5, rtol=2e-5)
+
+
+@torch.no_grad()
+def test_padded_batch_equals_sdpa_on_the_tokens():
+    # Left padding: the model's mask (padding and causal) is honoured exactly, not ignored.
+    ours, ref = _pair()
+    ids = _ids(length=40)
+    attention = torch.ones_like(ids)
+    attention[0, :13] = 0
+    attention[1, :3] = 0
+    a, b = ours(ids, attention_mask=attention).logits, ref(ids, attention_mask=attention).logits
+    keep = attention.bool()
+    torch.testing.assert_close(a[keep], b[keep], atol=2e-5, rtol=2e-5)
+    # Without the mask the outputs differ: the mask was used, not dropped.
+    assert not torch.allclose(ours(ids).logits[0, 13:], a[0, 13:], atol=1e-3)
+
+
+@torch.no_grad()
+def test_generation_with_kv_cache_equals_sdpa():
+    # Decode steps have Lq = 1 < Lk: bottom-right causal, the cache read in place.
+    ours, ref = _pair()
+    ids = _ids(b=1, length=20)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+@torch.no_grad()
+def test_mistral_sliding_window_equals_sdpa():
+    # The model's own sliding window arrives as its mask and is honoured.
+    ours, ref = _pair("mistral", sliding_window=16)
+    ids = _ids(length=60)
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=2e-5, rtol=2e-5)
+
+
+@torch.no_grad()
+def test_sliding_window_mode_equals_a_windowed_model():
+    # mode="sliding_window" on a plain model = the same weights with Mistral's window of that size.
+    ours = _model("mistral", "sparse_attn")
+    ref = _model("mistral", "sdpa", sliding_window=12)
+    ref.load_state_dict(ours.state_dict())
+    sa_hf.configure(ours, mode="sliding_window", window=12)
+    ids = _ids(length=50)
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=2e-5, rtol=2e-5)
+    # Generation with the cache in that mode (decode: the window of the last key).
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids[:1], **kwargs), ref.generate(ids[:1], **kwargs))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", [{"mode": "topk", "k": 4096}, {"mode": "block_topk", "k": 64, "block_size": 64}])
+def test_topk_modes_with_every_key_equal_dense(mode):
+    ours, ref = _pair()
+    sa_hf.configure(ours, **mode)
+    ids = _ids(length=70)
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=2e-5, rtol=2e-5)
+
+
+@torch.no_grad()
+def test_per_layer_modes_and_switching_at_run_time():
+    ours, ref = _pair()
+    ids = _ids(length=64)
+    dense = ref(ids).logits
+    sa_hf.configure(ours, mode="topk", k=8, layers={0: {"mode": "dense"}, 1: {"k": 4096}})
+    torch.testing.assert_close(ours(ids).logits, dense, atol=2e-5, rtol=2e-5)  # layer 1 keeps every key
+    sa_hf.configure(ours, mode="topk", k=8, layers={0: {"mode": "dense"}})
+    assert not torch.allclose(ours(ids).logits, dense, atol=1e-3)  # now layer 1 drops keys
+    sa_hf.configure(ours, mode="sliding_window", window=8, dense_below=1000)
+    torch.testing.assert_close(ours(ids).logits, dense, atol=2e-5, rtol=2e-5)  # short: dense
+    assert ours.config.to_dict()["sparse_attn"]["base"]["mode"] == "sliding_window"  # saved with the config
+
+
+def test_bad_settings_and_unsupported_inputs_raise():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        sa_hf.LayerConfig(mode="strided")
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        sa_hf.LayerConfig(window=0)
+    ours = _model()
+    sa_hf.configure(ours, mode="topk", k=8)
+    ids = _ids(length=20)
+    attention = torch.ones_like(ids)
+    attention[0, :4] = 0
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="does not take the model's attention mask"):
+        ours(ids, attention_mask=attention)
