@@ -71,7 +71,8 @@ def topk_route(block_size: int | None, indexer: bool) -> Route:
         return Route(
             "block_topk",
             (block_size,),
-            "block mode: top-k key blocks per query block from mean-pooled scores, then the block-sparse kernel",
+            "block mode: top-k key blocks per query block by a bound of q.k over each block (Quest), the diagonal "
+            "and sink blocks kept under causal, then the block-sparse kernel",
         )
     if indexer:
         return Route(
@@ -233,7 +234,9 @@ def _explain_topk(a, tgt) -> Plan:
         _args.check_inputs(q, k, v)
         bs = route.args[0]
         pool = Launch(
-            "block_topk_scores", "torch", why=("mean-pooled blocks scored by one matmul; top-k per block row",)
+            "block_topk_scores",
+            "torch",
+            why=("pooled blocks scored by two matmuls (a bound of q.k); top-k per block row",),
         )
         text = _ops._plan_block_sparse.default(q, k, v, bs, bs, *tgt)
         return Plan("topk_attention", route.kind, route.why, (pool, _launch("block_sparse_fwd", text)))

@@ -109,10 +109,17 @@ def block_kernel(query, key, value, m: BlockSparseMask, scale):
 
 
 def block_topk_mask(query, key, k: int, block_size: int, causal: bool):
-    """Top-k key blocks per (batch, head, query block) from mean-pooled scores, as a mask.
+    """Top-k key blocks per (batch, head, query block), as a mask.
 
-    Returns the mask and the chosen blocks (B, H, nQb, k'), int32, ascending, -1 padded (k' is k,
-    or k + 1 when causal needs two diagonal blocks). No host synchronisation: the mask's width is
+    A key block's score is the mean over the query block's rows of an upper bound of q . k over
+    the key block (Quest's): sum_d max(q_d * max_k_d, q_d * min_k_d) = relu(q) . max_k + min(q, 0)
+    . min_k, so one strong key is not averaged away as by mean pooling; linear in relu(q) and
+    min(q, 0), it is two matmuls of pooled rows. Under causal the diagonal key block(s), the one
+    before them (the local band) and the first key block (attention sinks: the first tokens take
+    much of the attention) are always kept and count towards k.
+
+    Returns the mask and the chosen blocks (B, H, nQb, k'), int32, ascending, -1 padded (k' is
+    max(k, the blocks always kept), at most nKb). No host synchronisation: the mask's width is
     known and its partial blocks are the causal pattern's."""
     b, h, lq, d = query.shape
     hkv, lk = key.shape[1], key.shape[2]
@@ -125,15 +132,18 @@ def block_topk_mask(query, key, k: int, block_size: int, causal: bool):
         )
         return mask, torch.full((b, h, nq, 0), -1, dtype=torch.int32, device=query.device)
 
-    def pool(x, n):
+    def blocks(x, n, fill):  # (B, H', n, block_size, D), the ragged tail padded with fill
         pad = n * block_size - x.shape[2]
-        xs = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).view(x.shape[0], x.shape[1], n, block_size, -1)
-        counts = (x.shape[2] - torch.arange(n, device=x.device) * block_size).clamp(max=block_size)
-        return xs.sum(3) / counts[:, None].to(torch.float32)
+        return torch.nn.functional.pad(x.float(), (0, 0, 0, pad), value=fill).view(
+            x.shape[0], x.shape[1], n, block_size, -1
+        )
 
-    qp = pool(query, nq)
-    kp = pool(key, nk).repeat_interleave(h // hkv, dim=1)
-    scores = qp @ kp.transpose(-1, -2)  # (B, H, nQb, nKb)
+    rows = (lq - torch.arange(nq, device=query.device) * block_size).clamp(max=block_size)[:, None].float()
+    q_pos = blocks(query.clamp(min=0), nq, 0.0).sum(3) / rows  # mean of relu(q) per query block
+    q_neg = blocks(query.clamp(max=0), nq, 0.0).sum(3) / rows  # mean of min(q, 0)
+    k_max = blocks(key, nk, float("-inf")).amax(3).repeat_interleave(h // hkv, dim=1)
+    k_min = blocks(key, nk, float("inf")).amin(3).repeat_interleave(h // hkv, dim=1)
+    scores = q_pos @ k_max.transpose(-1, -2) + q_neg @ k_min.transpose(-1, -2)  # (B, H, nQb, nKb)
     neg = torch.finfo(torch.float32).min
     kk = min(k, nk)
     if causal:
@@ -151,8 +161,12 @@ def block_topk_mask(query, key, k: int, block_size: int, causal: bool):
             & (last_diag >= 0)[:, None]
         )
         scores = torch.where(visible, scores, float("-inf"))
-        scores = torch.where(diag, float("inf"), scores)
-        kk = min(max(k, 1 if off % block_size == 0 else 2), nk)
+        sink = (kb == 0) & (last_diag >= 0)[:, None]
+        # The local band: the key block before the first diagonal one, so that every query sees at
+        # least its block_size most recent keys.
+        band = (kb == first_diag.clamp(min=0)[:, None] // block_size - 1) & (last_diag >= 0)[:, None]
+        scores = torch.where(diag | sink | band, float("inf"), scores)
+        kk = min(max(k, (1 if off % block_size == 0 else 2) + 2), nk)
     top = scores.topk(kk, dim=-1)
     chosen = top.indices.to(torch.int32)
     if causal:

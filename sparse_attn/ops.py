@@ -196,8 +196,11 @@ def topk_attention(
     (``index_query`` (B, Lq, HI, DI), ``index_key`` (B, Lk, DI), ``index_weights`` (B, Lq, HI),
     DeepSeek V3.2) the score is ``sum_j w[t, j] * relu(q_I[t, j] . k_I[s])`` and one index set per
     token serves every head. Block mode (``block_size`` 64 or 128): per query block and head, the
-    k key blocks with the largest mean-pooled score (the diagonal block always kept under causal)
-    run through the block-sparse kernel.
+    k key blocks with the largest score run through the block-sparse kernel; a block's score is
+    the mean over the query block of an upper bound of ``q . k`` over the key block (Quest's,
+    ``relu(q) . max_k + min(q, 0) . min_k``), so one strong key is not averaged away. Under
+    causal the diagonal key block(s) and the first key block (attention sinks) are always kept
+    and count towards k.
 
     Causal masking applies before selection; when k reaches the number of visible keys the
     result equals dense attention. Selection never holds a (B, H, Lq, Lk) tensor.
@@ -218,7 +221,8 @@ def topk_attention(
         Lightning-indexer inputs (token mode only), same dtype as each other.
     return_indices : bool
         Also return the selection, int32, ascending, -1 where fewer than k are visible:
-        (B, H, Lq, k) per head, (B, 1, Lq, k) from the indexer, (B, H, nQb, k) key blocks in block mode.
+        (B, H, Lq, k) per head, (B, 1, Lq, k) from the indexer, (B, H, nQb, k') key blocks in block
+        mode (k' = max(k, the blocks always kept under causal)).
     return_lse : bool
         Also return the log-sum-exp, fp32 (B, H, Lq).
 

@@ -443,10 +443,11 @@ def test_block_mode_equals_block_sparse_reference(dtype, shape, block_size, caus
         q, k, v, k_sel, block_size=block_size, causal=causal, return_indices=True, return_lse=True
     )
     nq, nk = math.ceil(lq / block_size), math.ceil(lk / block_size)
-    # Under causal every block holding a row's diagonal key is kept: two when Lk - Lq is not a
-    # multiple of the block size, so the width can be k + 1.
-    n_diag = 2 if causal and (lk - lq) % block_size else 1
-    kk = min(max(k_sel, n_diag), nk)
+    # Under causal every block holding a row's diagonal key is kept (two when Lk - Lq is not a
+    # multiple of the block size), the block before them (the local band) and the first key block
+    # (the sinks): the width is at least that.
+    n_kept = (2 if (lk - lq) % block_size else 1) + 2 if causal else 1
+    kk = min(max(k_sel, n_kept), nk)
     assert idx.dtype == torch.int32 and idx.shape == (b, h, nq, kk)
     idx_c = idx.cpu()
     live = idx_c >= 0
@@ -462,7 +463,7 @@ def test_block_mode_equals_block_sparse_reference(dtype, shape, block_size, caus
 
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("length", [1, 200, 256, 257, 640])
-def test_block_mode_causal_keeps_the_diagonal_block(length, block_size, device):
+def test_block_mode_causal_keeps_the_diagonal_band_and_sink_blocks(length, block_size, device):
     q, k, v = make_qkv(1, 3, 3, length, length, 64, dtype=torch.bfloat16, device=device, seed=length)
     for k_sel in (1, 2):
         out, lse, idx = sparse_attn.topk_attention(
@@ -471,7 +472,24 @@ def test_block_mode_causal_keeps_the_diagonal_block(length, block_size, device):
         nq = math.ceil(length / block_size)
         diag = torch.arange(nq, dtype=torch.int32)[None, None, :, None]
         assert bool((idx.cpu() == diag).any(-1).all()), "the diagonal block is always kept under causal"
+        assert bool((idx.cpu() == 0).any(-1).all()), "the first key block (the sinks) is always kept"
+        band = (diag - 1).clamp(min=0)
+        assert bool((idx.cpu() == band).any(-1).all()), "the block before the diagonal is always kept"
         assert not bool(torch.isneginf(lse).any()), "every query sees at least itself"
+
+
+def test_block_mode_scores_keep_one_strong_key():
+    # A key block holding one key aligned with every query beats blocks of middling keys, though
+    # its mean is no larger than theirs: the score bounds q . k over the block (Quest), it does
+    # not average the block's keys.
+    d, bs = 64, 64
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, bs, d, generator=g).abs() + 1  # one query block, positive queries
+    k = torch.full((1, 1, 4 * bs, d), 0.1)  # four key blocks of middling keys ...
+    k[0, 0, 2 * bs + 5] = 3.0  # ... block 2 holding one strong key ...
+    k[0, 0, 2 * bs :] -= 3.0 / bs  # ... and no larger a mean than the others
+    _, idx = sparse_attn.topk_attention(q, k, k, 1, block_size=bs, return_indices=True)
+    assert idx.flatten().tolist() == [2]
 
 
 @pytest.mark.parametrize("lengths", [(257, 300), (300, 130)])

@@ -135,3 +135,26 @@ def test_bad_settings_and_unsupported_inputs_raise():
     attention[0, :4] = 0
     with torch.no_grad(), pytest.raises(NotImplementedError, match="does not take the model's attention mask"):
         ours(ids, attention_mask=attention)
+
+
+@pytest.mark.parametrize("lq,lk", [(70, 70), (1, 90), (5, 130)])
+def test_sliding_window_with_sinks_is_exact(lq, lk):
+    # The first keys stay visible to every query beside the window (prefill and decode shapes).
+    from types import SimpleNamespace
+
+    from sparse_attn import reference
+
+    module = SimpleNamespace(config=SimpleNamespace(), layer_idx=0, is_causal=True, training=False)
+    sa_hf.configure(module, mode="sliding_window", window=16, sinks=4)
+    g = torch.Generator().manual_seed(lq + lk)
+    q, k, v = (
+        torch.randn(1, 4, lq, 32, generator=g),
+        torch.randn(1, 2, lk, 32, generator=g),
+        torch.randn(1, 2, lk, 32, generator=g),
+    )
+    out, _ = sa_hf.attention_forward(module, q, k, v, None)
+    i = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    mask = (((i - j) < 16) | (j < 4)) & (j <= i)
+    gold, _ = reference.attention(q, k, v, mask=mask)
+    torch.testing.assert_close(out.transpose(1, 2).double(), gold, atol=1e-5, rtol=1e-5)

@@ -42,7 +42,8 @@ class LayerConfig:
     - ``"block_topk"``: ``topk_attention`` over the ``k`` best key blocks of ``block_size``.
 
     ``dense_below``: keys below this count run dense whatever the mode (short prompts gain nothing
-    from sparsity).
+    from sparsity). ``sinks`` (sliding_window): the first ``sinks`` keys stay visible to every
+    query (StreamingLLM's attention sinks), run as an exact block-sparse mask.
     """
 
     mode: str = "dense"
@@ -50,6 +51,7 @@ class LayerConfig:
     k: int = 256
     block_size: int = 64
     dense_below: int = 0
+    sinks: int = 0
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -57,6 +59,8 @@ class LayerConfig:
         for name in ("window", "k", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"sinks must be a non-negative int, got {self.sinks!r}")
 
 
 def register() -> None:
@@ -103,6 +107,30 @@ def _block_mask(mask: torch.Tensor) -> BlockSparseMask:
     return converted
 
 
+def _window_mask(lq: int, lk: int, config: LayerConfig, causal: bool, device) -> torch.Tensor:
+    """(Lq, Lk) bool: the sliding window (bottom-right aligned) and the sink keys, within causal."""
+    i = torch.arange(lq, device=device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=device)[None, :]
+    visible = ((i - j).abs() < config.window) | (j < config.sinks)
+    return visible & (j <= i) if causal else visible
+
+
+_WINDOW_MASKS: dict[tuple, BlockSparseMask] = {}
+
+
+def _window_block_mask(lq: int, lk: int, config: LayerConfig, causal: bool, device) -> BlockSparseMask:
+    """_window_mask as a block-sparse mask, kept for the shapes of the last few calls (every layer
+    of a forward, and each decode step's, asks for the same one)."""
+    key = (lq, lk, config.window, config.sinks, causal, str(device))
+    if key not in _WINDOW_MASKS:
+        if len(_WINDOW_MASKS) >= 4:
+            _WINDOW_MASKS.pop(next(iter(_WINDOW_MASKS)))
+        _WINDOW_MASKS[key] = BlockSparseMask.from_element_mask(
+            _window_mask(lq, lk, config, causal, device), block_size=64
+        )
+    return _WINDOW_MASKS[key]
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -128,10 +156,8 @@ def attention_forward(
         if attention_mask.dtype != torch.bool:  # an additive bias: the naive path takes it as is
             out = ops.dense_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
             return out.transpose(1, 2), None
-        if mode == "sliding_window":  # the window within the model's mask
-            i = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
-            j = torch.arange(lk, device=query.device)[None, :]
-            attention_mask = attention_mask & ((i - j).abs() < config.window)
+        if mode == "sliding_window":  # the window (and sinks) within the model's mask
+            attention_mask = attention_mask & _window_mask(lq, lk, config, False, query.device)
         elif mode != "dense":
             raise NotImplementedError(
                 f"sparse_attn mode {mode!r} does not take the model's attention mask (padding) yet; "
@@ -140,6 +166,9 @@ def attention_forward(
         out = ops.block_sparse_attention(query, key, value, _block_mask(attention_mask), scale=scaling)
     elif mode == "dense":
         out = ops.flash_attention(query, key, value, causal=causal, scale=scaling)
+    elif mode == "sliding_window" and config.sinks:
+        mask = _window_block_mask(lq, lk, config, causal, query.device)
+        out = ops.block_sparse_attention(query, key, value, mask, scale=scaling)
     elif mode == "sliding_window":  # a bidirectional layer sees the window on both sides
         right = 0 if causal else config.window - 1
         out = ops.flash_attention(query, key, value, window=(config.window - 1, right), scale=scaling)

