@@ -142,3 +142,17 @@ def block_sparse_mask(mask, query: torch.Tensor, key: torch.Tensor) -> BlockSpar
     if result.device != query.device:  # checked here for every route, not only by the block kernel
         raise RuntimeError(f"mask must be on the same device as query ({query.device}), got {result.device}")
     return result
+
+
+def with_causal(mask: BlockSparseMask) -> BlockSparseMask:
+    """The mask intersected with the bottom-right causal pattern of its lengths, made once per mask
+    (kept on it; under torch.compile made in the graph)."""
+    if mask._causal is not None:
+        return mask._causal
+    from .patterns import causal
+
+    lq, lk = mask.seq_lengths
+    combined = mask & causal(lq, lk, block_size=mask.block_size, device=mask.device, compact=False)
+    if not torch.compiler.is_compiling():
+        mask._causal = combined
+    return combined

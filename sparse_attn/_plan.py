@@ -30,12 +30,21 @@ class Route:
     why: str = ""
 
 
-def block_sparse_route(mask: BlockSparseMask, key: torch.Tensor, value: torch.Tensor) -> Route:
+def block_sparse_route(mask: BlockSparseMask, key: torch.Tensor, value: torch.Tensor, causal: bool = False) -> Route:
     """A mask exactly as a pattern built it runs as that pattern's attention (masks.ExactForm);
-    any other mask through the block-sparse kernel. (With a value that does not match the key the
-    kernel's checks report it.)"""
+    any other mask through the block-sparse kernel (with causal=True: the mask intersected with
+    the causal pattern). (With a value that does not match the key the kernel's checks report
+    it.)"""
     form = mask.exact_form
+    if form is not None and causal and form.kind in ("dilated", "dilated_2d"):
+        form = None  # no exact form of their causal half: the block kernel on the intersection
     if form is not None and value.dim() == 4 and value.shape[-2] == key.shape[-2]:
+        if form.kind == "window" and causal:
+            return Route(
+                "flash_window",
+                (form.a, 0),
+                f"the mask is patterns.sliding_window's, causal: flash_attention(window=({form.a}, 0)), no block lists",
+            )
         if form.kind == "causal":
             return Route(
                 "flash_causal", (), "the mask is patterns.causal's: flash_attention(causal=True), no block lists"
@@ -59,11 +68,9 @@ def block_sparse_route(mask: BlockSparseMask, key: torch.Tensor, value: torch.Te
             f"the mask is patterns.dilated_2d's: dense attention over the positions of each segment of {form.a} "
             f"that are multiples of {form.b} (no masked pairs)",
         )
-    return Route(
-        "block_kernel",
-        (mask.q_block, mask.kv_block),
-        "a block mask: the block-sparse kernel over its lists (full blocks unmasked, partial blocks bit-masked)",
-    )
+    why = "a block mask" + (" intersected with causal (made once per mask)" if causal else "")
+    why += ": the block-sparse kernel over its lists (full blocks unmasked, partial blocks bit-masked)"
+    return Route("block_kernel", (mask.q_block, mask.kv_block), why)
 
 
 def topk_route(block_size: int | None, indexer: bool) -> Route:
@@ -182,7 +189,7 @@ def _explain_block_sparse(a, tgt) -> Plan:
     lq, lk = q.shape[2], k.shape[2]
     if isinstance(mask, BlockSparseMask):
         _args.check_mask_lengths(mask.seq_lengths, lq, lk)
-        route = block_sparse_route(mask, k, v)
+        route = block_sparse_route(mask, k, v, bool(a["causal"]))
     else:  # a block matrix or a Flex BlockMask: a plain block mask (converted on every call)
         if isinstance(mask, torch.Tensor):
             size = (_args.matrix_block_size(mask, lq, lk),) * 2

@@ -190,6 +190,9 @@ class BlockSparseMask:
         # Set by the pattern builders when the mask is exactly their pattern (see ExactForm);
         # dropped by every operation that changes the mask.
         self.exact_form: ExactForm | None = None
+        # The mask intersected with the causal pattern, made on the first causal=True call of
+        # block_sparse_attention and kept (the mask is not modified).
+        self._causal: BlockSparseMask | None = None
 
     @classmethod
     def _trusted(cls, kv_num_blocks, kv_indices, kv_partial, partial_masks, seq_lengths, block_size) -> BlockSparseMask:

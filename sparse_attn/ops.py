@@ -95,7 +95,9 @@ def flash_attention(
         Bottom-right aligned causal mask.
     window : int or (left, right), optional
         Local attention: query i sees keys ``i + off - left <= j <= i + off + right`` with
-        ``off = Lk - Lq`` (``None`` = unbounded side). With ``causal`` the right bound is 0.
+        ``off = Lk - Lq`` (``None`` = unbounded side); an int w is (w, w): 2w + 1 keys. With
+        ``causal`` the right bound is 0. ``patterns.sliding_window(L, (left, right))`` is the same
+        band as a mask (its int form ``sliding_window(L, w)`` is ``(w - 1, w - 1)``).
     scale : float, optional
         Softmax scale, default ``1 / sqrt(D)``.
     return_lse : bool
@@ -124,6 +126,7 @@ def block_sparse_attention(
     value: torch.Tensor,
     mask,
     *,
+    causal: bool = False,
     scale: float | None = None,
     return_lse: bool = False,
 ):
@@ -143,6 +146,10 @@ def block_sparse_attention(
         and the conversion kept with the mask object: passing the same BlockMask at every step
         costs no conversion. Its block tensors changed in place convert again; a ``mask_mod``
         whose captured tensors change needs a new BlockMask (as with Flex itself).
+    causal : bool
+        Also hide the keys after each query (bottom-right aligned): the mask intersected with
+        ``patterns.causal(Lq, Lk)`` (made once per mask and kept with it; a window pattern's mask
+        still runs as ``flash_attention`` with its window capped at the diagonal).
     scale : float, optional
         Softmax scale, default ``1 / sqrt(D)``.
     return_lse : bool
@@ -159,7 +166,9 @@ def block_sparse_attention(
     """
     m = _args.block_sparse_mask(mask, query, key)
     scale = _args.scale(scale)
-    route = _plan.block_sparse_route(m, key, value)
+    route = _plan.block_sparse_route(m, key, value, bool(causal))
+    if route.kind == "block_kernel" and causal:
+        m = _args.with_causal(m)
     if route.kind == "flash_causal":
         out, lse = _routes.flash(query, key, value, scale, True)
     elif route.kind == "flash_window":

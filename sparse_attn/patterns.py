@@ -103,17 +103,37 @@ def causal(
 
 
 def sliding_window(
-    seq_len: int, window: int, *, causal: bool = False, block_size: int | tuple[int, int] = 128, device=None
+    seq_len: int,
+    window: int | tuple[int, int],
+    *,
+    causal: bool = False,
+    block_size: int | tuple[int, int] = 128,
+    device=None,
 ) -> BlockSparseMask:
-    """Band of half-width ``window``: ``|i - j| < window``; causal: ``0 <= i - j < window``.
+    """A band around the diagonal.
+
+    ``window`` an int w: ``|i - j| < w`` (w - 1 keys on each side and the query's own: 2w - 1
+    keys); causal: ``0 <= i - j < w`` (the w most recent keys, itself included).
+    ``window`` a pair (left, right): FlashAttention's convention, as ``flash_attention(window=...)``
+    takes it: ``i - left <= j <= i + right`` (left + right + 1 keys), so that a setting ports
+    between the two unchanged; ``causal`` then caps right at 0. ``sliding_window(L, w)`` is
+    ``sliding_window(L, (w - 1, w - 1))``, and ``flash_attention(window=w)`` is
+    ``sliding_window(L, (w, w))``.
 
     ``block_sparse_attention`` runs this mask (as built here, not combined with others) as
     ``flash_attention`` with the same window, at every block size."""
     seq_len = _positive("seq_len", seq_len, 0)
-    window = _positive("window", window)
-    lo = 0 if causal else -(window - 1)
-    mask = compile_mask(Interval(lo, window - 1), (seq_len, seq_len), _blocks(block_size), device)
-    mask.exact_form = ExactForm("window", window - 1, -lo)  # i - j in [lo, window - 1]: flash's (left, right)
+    if isinstance(window, tuple):
+        if len(window) != 2:
+            raise ValueError(f"window must be an int or a (left, right) pair, got {window!r}")
+        left, right = (_positive(f"window {n}", w, 0) for n, w in zip(("left", "right"), window, strict=True))
+        right = 0 if causal else right
+    else:
+        window = _positive("window", window)
+        left, right = window - 1, 0 if causal else window - 1
+    # i - j in [-right, left]: flash's (left, right).
+    mask = compile_mask(Interval(-right, left), (seq_len, seq_len), _blocks(block_size), device)
+    mask.exact_form = ExactForm("window", left, right)
     return mask
 
 

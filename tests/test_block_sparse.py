@@ -545,3 +545,34 @@ def test_dilated_2d_pattern_runs_as_dense_segments(monkeypatch, device, length, 
     out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
     assert calls == [(segment, dilation)] and _route(q, k, v, mask) == "dilated_2d"
     check_attention(out, lse, q, k, v, mask=mask.to_dense(), name=f"dilated_2d {length} {segment} {dilation}")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["random", "window", "window_pair", "longformer", "dilated", "dilated_2d", "causal", "matrix"],
+)
+def test_causal_argument_intersects_the_mask(name, device):
+    # causal=True hides the keys after each query (bottom-right) from any mask: exact against the
+    # reference on mask & causal; windows keep their flash route (window capped at the diagonal).
+    L = 300
+    q, k, v = make_qkv(1, 2, 2, L, L, 64, device=device, seed=len(name))
+    mask = {
+        "random": lambda: patterns.random_blocks(L, 0.4, seed=2, block_size=64, device=device),
+        "window": lambda: patterns.sliding_window(L, 50, device=device),
+        "window_pair": lambda: patterns.sliding_window(L, (30, 70), device=device),
+        "longformer": lambda: patterns.longformer(L, 40, [0, 200], device=device),
+        "dilated": lambda: patterns.dilated(L, 120, 3, device=device),
+        "dilated_2d": lambda: patterns.dilated_2d(L, 128, 2, device=device),
+        "causal": lambda: patterns.causal(L, L, device=device),
+        "matrix": lambda: torch.ones(3, 3, dtype=torch.bool, device=device),
+    }[name]()
+    out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, causal=True, return_lse=True)
+    dense = mask.to_dense() if isinstance(mask, BlockSparseMask) else torch.ones(L, L, dtype=torch.bool, device=device)
+    allowed = dense & torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    check_attention(out, lse, q, k, v, mask=allowed, name=f"causal {name}")
+    route = sparse_attn.explain(sparse_attn.block_sparse_attention, q, k, v, mask, causal=True).route
+    assert route == {"window": "flash_window", "window_pair": "flash_window", "causal": "flash_causal"}.get(
+        name, "block_kernel"
+    )
+    again = sparse_attn.block_sparse_attention(q, k, v, mask, causal=True, return_lse=True)
+    assert torch.equal(again[0], out)  # the intersection kept on the mask gives the same output
