@@ -1,5 +1,6 @@
-"""Fake (meta) kernels, so torch.compile and torch.export trace every op without running it,
-and the autograd registration (forward only for now: backward raises a clear error)."""
+"""Fake (meta) kernels, so torch.compile and torch.export trace every op without running it, and
+the autograd registrations: gradients for query, key and value through the backward ops (CPU
+kernels so far; on CUDA the backward ops raise a clear error)."""
 
 from __future__ import annotations
 
@@ -139,16 +140,119 @@ def _indexer_select(index_query, index_key, index_weights, k, causal=False):
     return index_query.new_empty(b, 1, lq, torch.sym_min(k, index_key.shape[1]), dtype=torch.int32)
 
 
-def _no_backward(ctx, *grads):
-    raise NotImplementedError(
-        "sparse_attn: the backward pass is not implemented yet; these ops are forward-only "
-        "(use them under torch.no_grad() or for inference)"
-    )
+@torch.library.register_fake("sparse_attn::flash_bwd")
+def _flash_bwd(
+    grad_out, query, key, value, out, lse, grad_lse=None, scale=None, causal=False, window_left=-1, window_right=-1
+):
+    _check_qkv(query, key, value, grad_out=grad_out)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
+@torch.library.register_fake("sparse_attn::block_sparse_bwd")
+def _block_sparse_bwd(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    grad_lse,
+    kv_num_blocks,
+    kv_indices,
+    kv_partial,
+    partial_masks,
+    q_block,
+    kv_block,
+    scale=None,
+):
+    _check_qkv(query, key, value, grad_out=grad_out, kv_num_blocks=kv_num_blocks)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+@torch.library.register_fake("sparse_attn::gather_bwd")
+def _gather_bwd(grad_out, query, key, value, out, lse, grad_lse, indices, scale=None):
+    _check_qkv(query, key, value, grad_out=grad_out, indices=indices)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+# ------------------------------------------------------------------------------------ autograd
+# Gradients for query, key and value; none for masks, indices or options. Each forward saves its
+# inputs, output and LSE; its backward op recomputes the probabilities from the LSE. A gradient
+# of the LSE (when the caller uses it) enters the backward as well.
 def _setup_context(ctx, inputs, output):
-    pass
+    ctx.save_for_backward(*inputs[:3], *output)
+    ctx.rest = inputs[3:]
 
 
-for _name in ("dense_fwd", "flash_fwd", "block_sparse_fwd", "gather_fwd"):
-    torch.library.register_autograd(f"sparse_attn::{_name}", _no_backward, setup_context=_setup_context)
+def _grads(ctx, grad_out, grad_lse):
+    query, key, value, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    return query, key, value, out, lse, grad_out, grad_lse
+
+
+def _flash_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, g, gl = _grads(ctx, grad_out, grad_lse)
+    scale, causal, left, right = ctx.rest
+    dq, dk, dv = torch.ops.sparse_attn.flash_bwd(g, q, k, v, out, lse, gl, scale, causal, left, right)
+    return dq, dk, dv, None, None, None, None
+
+
+def _block_sparse_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, g, gl = _grads(ctx, grad_out, grad_lse)
+    cnt, idx, part, bits, q_block, kv_block, scale, _order = ctx.rest
+    dq, dk, dv = torch.ops.sparse_attn.block_sparse_bwd(
+        g, q, k, v, out, lse, gl, cnt, idx, part, bits, q_block, kv_block, scale
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _gather_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, g, gl = _grads(ctx, grad_out, grad_lse)
+    indices, scale = ctx.rest
+    dq, dk, dv = torch.ops.sparse_attn.gather_bwd(g, q, k, v, out, lse, gl, indices, scale)
+    return dq, dk, dv, None, None
+
+
+def _dense_backward(ctx, grad_out, grad_lse):
+    """dense_attention's backward: the baseline's math redone in fp32 through autograd (it
+    materialises the scores, as its forward does)."""
+    query, key, value, out, lse = ctx.saved_tensors
+    attn_mask, scale, causal = ctx.rest
+
+    def math(q, k, v):
+        g = q.shape[1] // max(k.shape[1], 1)
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        s = (q.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
+        if causal:
+            lq, lk = s.shape[-2:]
+            visible = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+            s = s.masked_fill(~visible, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        e = torch.exp(s - m)
+        total = e.sum(-1, keepdim=True)
+        p = torch.where(total > 0, e / total, torch.zeros_like(e))
+        lse_ = torch.where(
+            total[..., 0] > 0, m[..., 0] + torch.log(total[..., 0]), torch.full_like(m[..., 0], -math_inf)
+        )
+        return (p @ v.float()).to(q.dtype), lse_
+
+    math_inf = float("inf")
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
+        o, l_ = math(q, k, v)
+        outs, grads = [o], [grad_out if grad_out is not None else torch.zeros_like(o)]
+        if grad_lse is not None:
+            outs.append(l_)
+            grads.append(torch.where(torch.isneginf(l_), torch.zeros_like(grad_lse), grad_lse))
+        dq, dk, dv = torch.autograd.grad(outs, (q, k, v), grads, allow_unused=True)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("sparse_attn::flash_fwd", _flash_backward, setup_context=_setup_context)
+torch.library.register_autograd("sparse_attn::block_sparse_fwd", _block_sparse_backward, setup_context=_setup_context)
+torch.library.register_autograd("sparse_attn::gather_fwd", _gather_backward, setup_context=_setup_context)
+torch.library.register_autograd("sparse_attn::dense_fwd", _dense_backward, setup_context=_setup_context)

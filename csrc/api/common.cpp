@@ -158,6 +158,46 @@ AttnFwdParams set_params_fwd(const at::Tensor& q, const at::Tensor& k, const at:
   return params;
 }
 
+BwdTensors set_params_bwd(AttnBwdParams& params, const at::Tensor& query, const at::Tensor& key,
+                          const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                          const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse) {
+  check_same_device(query, grad_out, "grad_out");
+  check_same_device(query, out, "out");
+  check_same_device(query, lse, "lse");
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.size(0) == query.size(0) && out.size(1) == query.size(1) &&
+                  out.size(2) == query.size(2) && out.size(3) == value.size(3),
+              "grad_out and out must have the output's shape (B, H, Lq, Dv), got ", grad_out.sizes(), " and ",
+              out.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "grad_out and out must have the query's dtype");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == query.size(0) &&
+                  lse.size(1) == query.size(1) && lse.size(2) == query.size(2),
+              "lse must be float32 (B, H, Lq), got ", lse.scalar_type(), " ", lse.sizes());
+  BwdTensors t;
+  t.dout = grad_out.stride(-1) == 1 ? grad_out : grad_out.contiguous();
+  t.lse = lse.contiguous();
+  params.fwd.lse = t.lse.data_ptr<float>();
+  params.dout = t.dout.data_ptr();
+  params.do_batch_stride = t.dout.stride(0);
+  params.do_head_stride = t.dout.stride(1);
+  params.do_row_stride = t.dout.stride(2);
+  params.dlse = nullptr;
+  if (grad_lse.has_value() && grad_lse->defined()) {
+    check_same_device(query, *grad_lse, "grad_lse");
+    TORCH_CHECK(grad_lse->sizes() == lse.sizes(), "grad_lse must have the LSE's shape ", lse.sizes(), ", got ",
+                grad_lse->sizes());
+    t.dlse = grad_lse->to(at::kFloat).contiguous();
+    params.dlse = t.dlse.data_ptr<float>();
+  }
+  t.dq = at::empty(query.sizes(), query.options());
+  t.dk = at::empty(key.sizes(), key.options());
+  t.dv = at::empty(value.sizes(), value.options());
+  params.dq = t.dq.data_ptr();
+  params.dk = t.dk.data_ptr();
+  params.dv = t.dv.data_ptr();
+  return t;
+}
+
 void set_params_window(AttnFwdParams& params, bool causal, int64_t window_left, int64_t window_right) {
   TORCH_CHECK(window_left >= -1, "window_left must be -1 (unbounded) or >= 0, got ", window_left);
   TORCH_CHECK(window_right >= -1, "window_right must be -1 (unbounded) or >= 0, got ", window_right);

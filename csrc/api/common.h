@@ -55,6 +55,16 @@ AttnFwdParams set_params_fwd(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& out, const at::Tensor& lse, const QkvShape& s,
                              double scale);
 
+// The backward's params: the forward's (already set; the LSE replaced by a contiguous one) and the
+// gradients, checked against the forward's shapes. Returns the contiguous gradients it allocated
+// (dq, dk, dv) and the tensors the params point into (grad_out, lse, grad_lse).
+struct BwdTensors {
+  at::Tensor dq, dk, dv, dout, lse, dlse;
+};
+BwdTensors set_params_bwd(AttnBwdParams& params, const at::Tensor& query, const at::Tensor& key,
+                          const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                          const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse);
+
 // Visible band from the user's causal flag and window; -1 is unbounded.
 void set_params_window(AttnFwdParams& params, bool causal, int64_t window_left, int64_t window_right);
 

@@ -89,9 +89,63 @@ at::Tensor indexer_select_cpu(const at::Tensor& index_query, const at::Tensor& i
   return out;
 }
 
+// The backward ops: the forward's params from its inputs and output, then the gradients.
+struct BwdCall {
+  AttnBwdParams params;
+  QkvShape s;
+  BwdTensors t;
+};
+
+BwdCall prepare_bwd(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                    const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                    const c10::optional<at::Tensor>& grad_lse, c10::optional<double> scale) {
+  BwdCall c;
+  c.s = check_qkv(query, key, value);
+  check_cpu(query);
+  c.params = {};
+  c.params.fwd = set_params_fwd(query, key, value, out, lse, c.s, resolve_scale(scale, c.s.d));
+  c.t = set_params_bwd(c.params, query, key, value, out, lse, grad_out, grad_lse);
+  return c;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
+    c10::optional<double> scale, bool causal, int64_t window_left, int64_t window_right) {
+  BwdCall c = prepare_bwd(grad_out, query, key, value, out, lse, grad_lse, scale);
+  set_params_window(c.params.fwd, causal, window_left, window_right);
+  if (query.numel() + key.numel() > 0) cpu::flash_bwd(c.params);
+  return {c.t.dq, c.t.dk, c.t.dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
+    const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, const at::Tensor& kv_partial,
+    const at::Tensor& partial_masks, int64_t q_block, int64_t kv_block, c10::optional<double> scale) {
+  BwdCall c = prepare_bwd(grad_out, query, key, value, out, lse, grad_lse, scale);
+  auto keep = set_params_block_sparse(c.params.fwd, query, c.s, kv_num_blocks, kv_indices, kv_partial,
+                                      partial_masks, q_block, kv_block);
+  if (query.numel() + key.numel() > 0) cpu::block_sparse_bwd(c.params);
+  return {c.t.dq, c.t.dk, c.t.dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
+    const at::Tensor& indices, c10::optional<double> scale) {
+  BwdCall c = prepare_bwd(grad_out, query, key, value, out, lse, grad_lse, scale);
+  set_params_gather(c.params.fwd, query, c.s, indices);
+  if (query.numel() + key.numel() > 0) cpu::gather_bwd(c.params);
+  return {c.t.dq, c.t.dk, c.t.dv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sparse_attn, CPU, m) {
+  m.impl("flash_bwd", &flash_bwd_cpu);
+  m.impl("block_sparse_bwd", &block_sparse_bwd_cpu);
+  m.impl("gather_bwd", &gather_bwd_cpu);
   m.impl("dense_fwd", &dense_fwd_cpu);
   m.impl("flash_fwd", &flash_fwd_cpu);
   m.impl("block_sparse_fwd", &block_sparse_fwd_cpu);

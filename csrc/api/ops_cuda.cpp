@@ -197,6 +197,15 @@ at::Tensor indexer_select_cuda(const at::Tensor& index_query, const at::Tensor& 
   return run_select(params, out, index_query);
 }
 
+// The backward kernels run on the CPU only so far: on CUDA a clear error, not a missing kernel.
+template <typename... Args>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_not_on_cuda(Args&&...) {
+  TORCH_CHECK(false,
+              "sparse_attn: the backward pass runs on CPU tensors only so far; the CUDA backward kernels are "
+              "not implemented yet (train on the CPU, or use these ops under torch.no_grad() on the GPU)");
+  return {};
+}
+
 // Plans of CUDA inputs (sparse_attn.explain) learn their device from here.
 const bool kCudaPlansRegistered = [] {
   set_cuda_device_lookup([](const at::Tensor& like) {
@@ -209,6 +218,19 @@ const bool kCudaPlansRegistered = [] {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
+  m.impl("flash_bwd",
+         &bwd_not_on_cuda<const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                          c10::optional<double>, bool, int64_t, int64_t>);
+  m.impl("block_sparse_bwd",
+         &bwd_not_on_cuda<const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                          c10::optional<double>>);
+  m.impl("gather_bwd",
+         &bwd_not_on_cuda<const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
+                          c10::optional<double>>);
   m.impl("gather_fwd", &gather_fwd_cuda);
   m.impl("topk_select", &topk_select_cuda);
   m.impl("indexer_select", &indexer_select_cuda);

@@ -33,6 +33,21 @@ TORCH_LIBRARY(sparse_attn, m) {
       "indexer_select(Tensor index_query, Tensor index_key, Tensor index_weights, int k, "
       "bool causal=False) -> Tensor");
 
+  // Backward passes (autograd in sparse_attn/_meta.py): dQ, dK, dV from the forward's inputs,
+  // output and LSE, the output's gradient and (optionally) the LSE's.
+  m.def(
+      "flash_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor? grad_lse=None, float? scale=None, bool causal=False, int window_left=-1, int window_right=-1) "
+      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  m.def(
+      "block_sparse_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor? grad_lse, Tensor kv_num_blocks, Tensor kv_indices, Tensor kv_partial, Tensor partial_masks, "
+      "int q_block, int kv_block, float? scale=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  m.def(
+      "gather_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor? grad_lse, Tensor indices, float? scale=None) -> (Tensor grad_query, Tensor grad_key, "
+      "Tensor grad_value)");
+
   // The checks every attention op makes of query, key and value (check_qkv), for Python code
   // that reads them before any kernel does.
   m.def("_check_inputs(Tensor query, Tensor key, Tensor value) -> ()");

@@ -253,6 +253,87 @@ void gather_impl(const AttnFwdParams& p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Backward. For a query row i with LSE l_i (natural log) and D_i = dO_i . O_i - dlse_i, each key j
+// it sees has p_ij = exp(scale q_i . k_j - l_i), dp_ij = dO_i . v_j, ds_ij = p_ij (dp_ij - D_i);
+// then dV_j += p_ij dO_i, dQ_i += scale ds_ij k_j, dK_j += scale ds_ij q_i. A row that saw no key
+// (LSE -inf) has zero gradients.
+
+// The backward of one (batch, kv head): every query row of its group, through `keys(b, h, i, f)`
+// calling f(j) for each key j row i sees (in the forward's order).
+template <typename T, typename Keys>
+void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys, std::vector<float>& kf,
+                        std::vector<float>& vf, std::vector<float>& dk, std::vector<float>& dv) {
+  const AttnFwdParams& p = g.fwd;
+  const int D = p.d, Dv = p.dv;
+  for (int j = 0; j < p.lk; ++j) {
+    load_row(k_row<T>(p, b, hk, j), D, &kf[int64_t(j) * D]);
+    load_row(v_row<T>(p, b, hk, j), Dv, &vf[int64_t(j) * Dv]);
+  }
+  std::fill(dk.begin(), dk.end(), 0.f);
+  std::fill(dv.begin(), dv.end(), 0.f);
+  std::vector<float> q(D), dq(D), o(Dv), dout(Dv);
+  for (int h = hk * p.h_per_kv; h < (hk + 1) * p.h_per_kv; ++h) {
+    for (int i = 0; i < p.lq; ++i) {
+      const int64_t row = (int64_t(b) * p.h + h) * p.lq + i;
+      const float lse = p.lse[row];
+      std::fill(dq.begin(), dq.end(), 0.f);
+      T* dq_out = static_cast<T*>(g.dq) + row * D;
+      if (lse == kNegInf) {  // the row saw no key: no gradient
+        for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(0.f);
+        continue;
+      }
+      load_row(q_row<T>(p, b, h, i), D, q.data());
+      load_row(o_row<T>(p, b, h, i), Dv, o.data());
+      load_row(static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride + i * g.do_row_stride,
+               Dv, dout.data());
+      const float d_row = dot(dout.data(), o.data(), Dv) - (g.dlse != nullptr ? g.dlse[row] : 0.f);
+      keys(b, h, i, [&](int j) {
+        const float* kj = &kf[int64_t(j) * D];
+        const float* vj = &vf[int64_t(j) * Dv];
+        const float pj = std::exp(p.scale * dot(q.data(), kj, D) - lse);
+        axpy(pj, dout.data(), &dv[int64_t(j) * Dv], Dv);
+        const float ds = pj * (dot(dout.data(), vj, Dv) - d_row) * p.scale;
+        axpy(ds, kj, dq.data(), D);
+        axpy(ds, q.data(), &dk[int64_t(j) * D], D);
+      });
+      for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(dq[c]);
+    }
+  }
+  T* dk_out = static_cast<T*>(g.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * D;
+  T* dv_out = static_cast<T*>(g.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * Dv;
+  for (int64_t x = 0; x < int64_t(p.lk) * D; ++x) dk_out[x] = from_float<T>(dk[x]);
+  for (int64_t x = 0; x < int64_t(p.lk) * Dv; ++x) dv_out[x] = from_float<T>(dv[x]);
+}
+
+template <typename T, typename Keys>
+void attention_bwd(const AttnBwdParams& g, const Keys& keys) {
+  const AttnFwdParams& p = g.fwd;
+  const int64_t work = int64_t(p.b) * p.h_kv;
+#pragma omp parallel
+  {
+    std::vector<float> kf(int64_t(p.lk) * p.d), vf(int64_t(p.lk) * p.dv), dk(kf.size()), dv(vf.size());
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < work; ++w)
+      attention_bwd_head<T>(g, int(w / p.h_kv), int(w % p.h_kv), keys, kf, vf, dk, dv);
+  }
+}
+
+// The keys of the forward's key-tile iterator (dense, causal, window, block-sparse).
+template <typename Tiles>
+auto tile_keys(const AttnFwdParams& p) {
+  return [&p](int b, int h, int i, auto&& f) {
+    const Tiles tiles(p, b, h, i / kBlockM);
+    for (int it = 0; it < tiles.num_tiles(); ++it) {
+      const int n0 = tiles.n_block(it) * kBlockN;
+      const int cols = std::min(kBlockN, p.lk - n0);
+      const uint64_t bits = tiles.tile_needs_mask(it) ? tiles.visible_bits(it, i) : ~uint64_t(0);
+      for (int c = 0; c < cols; ++c)
+        if ((bits >> c) & 1u) f(n0 + c);
+    }
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
 // Selection: scores of one query row against its visible keys, then the top k by
 // (score desc, index asc), written ascending by index. Memory: O(Lk) per thread.
 template <typename T>
@@ -320,6 +401,29 @@ void block_sparse_fwd(const AttnFwdParams& p) {
 
 void gather_fwd(const AttnFwdParams& p) {
   dispatch_dtype(p.dtype, [&](auto t) { gather_impl<decltype(t)>(p); });
+}
+
+void flash_bwd(const AttnBwdParams& g) {
+  dispatch_dtype(g.fwd.dtype, [&](auto t) {
+    attention_bwd<decltype(t)>(g, tile_keys<WindowTiles<kBlockM, kBlockN>>(g.fwd));
+  });
+}
+
+void block_sparse_bwd(const AttnBwdParams& g) {
+  dispatch_dtype(g.fwd.dtype, [&](auto t) {
+    attention_bwd<decltype(t)>(g, tile_keys<BlockSparseTiles<kBlockM, kBlockN>>(g.fwd));
+  });
+}
+
+void gather_bwd(const AttnBwdParams& g) {
+  const AttnFwdParams& p = g.fwd;
+  auto listed = [&p](int b, int h, int i, auto&& f) {
+    const int32_t* idx = p.indices + b * p.idx_batch_stride + (h / p.h_per_idx) * p.idx_head_stride +
+                         int64_t(i) * p.idx_row_stride;
+    for (int t = 0; t < p.topk; ++t)
+      if (idx[t] >= 0 && idx[t] < p.lk) f(idx[t]);
+  };
+  dispatch_dtype(p.dtype, [&](auto t) { attention_bwd<decltype(t)>(g, listed); });
 }
 
 void topk_select(const TopkSelectParams& p) {

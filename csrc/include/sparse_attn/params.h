@@ -73,6 +73,18 @@ struct AttnFwdParams {
   int topk;
 };
 
+// Backward of the attention family: the forward's params (inputs, output, LSE, visibility or
+// mask or indices) and the gradients. The gradients are contiguous.
+struct AttnBwdParams {
+  AttnFwdParams fwd;
+  const void* __restrict__ dout;  // (B, H, Lq, Dv), dtype
+  int64_t do_batch_stride, do_head_stride, do_row_stride;
+  const float* __restrict__ dlse;  // (B, H, Lq), fp32, contiguous; nullptr: the LSE has no gradient
+  void* __restrict__ dq;           // (B, H, Lq, D), dtype, contiguous
+  void* __restrict__ dk;           // (B, Hkv, Lk, D), dtype, contiguous
+  void* __restrict__ dv;           // (B, Hkv, Lk, Dv), dtype, contiguous
+};
+
 // Parameters of top-k selection (exact per-head scores, or the lightning indexer).
 struct TopkSelectParams {
   // Exact mode: score(i, j) = q_h[i] . k_h[j]; one index set per query head.

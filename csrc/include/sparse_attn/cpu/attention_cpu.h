@@ -24,4 +24,11 @@ void gather_fwd(const AttnFwdParams& params);
 // The topk largest-scoring visible keys of each query (ties: lower index), ascending, -1 padded.
 void topk_select(const TopkSelectParams& params);
 
+// Backward passes: dQ, dK, dV of flash / block-sparse / gathered attention from the forward's
+// output and LSE (P recomputed from the LSE, as FlashAttention does). One (batch, kv head) per
+// thread, so dK and dV are summed over a GQA group without atomics and bit-identically run to run.
+void flash_bwd(const AttnBwdParams& params);
+void block_sparse_bwd(const AttnBwdParams& params);
+void gather_bwd(const AttnBwdParams& params);
+
 }  // namespace sparse_attn::cpu

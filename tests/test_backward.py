@@ -1,0 +1,191 @@
+"""Gradients of every op (CPU kernels) against fp64 autograd of the reference under the same
+mask, with the tolerance rule applied to dQ, dK, dV (factor 3, as FlashAttention's tests); empty
+rows give zero gradients, never NaN; the LSE's gradient is honoured; the backward is
+bit-identical run to run; and compiled training steps equal eager ones."""
+
+import pytest
+import torch
+from utils import check_close, make_qkv
+
+import sparse_attn
+from sparse_attn import patterns, reference
+
+
+def _grads(fn, q, k, v, g, glse=None):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out, lse = fn(q, k, v)
+    loss = (out.float() * g.float()).sum()
+    if glse is not None:
+        loss = loss + (torch.where(torch.isneginf(lse), 0.0, lse) * glse).sum()
+    loss.backward()
+    return q.grad, k.grad, v.grad
+
+
+def _check(name, fn, ref_mask_fn, q, k, v, *, scale=None, with_lse=False):
+    """fn(q, k, v) -> (out, lse) of ours; ref_mask_fn() -> the bool mask of the same attention."""
+    g = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(5))
+    glse = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(6)) if with_lse else None
+    mask = ref_mask_fn()
+
+    def ref(dtype):
+        return lambda q_, k_, v_: reference.attention(q_, k_, v_, mask=mask, scale=scale, dtype=dtype)
+
+    ours = _grads(fn, q, k, v, g, glse)
+    gold = _grads(ref(torch.float64), q.double(), k.double(), v.double(), g.double(), glse)
+    lp = _grads(ref(q.dtype), q, k, v, g, glse)
+    for what, a, b, c in zip(("dq", "dk", "dv"), ours, gold, lp, strict=True):
+        assert a.dtype == q.dtype and torch.isfinite(a).all(), f"{name} {what}"
+        check_close(f"{name} {what}", a, b, c, dtype=q.dtype, c_max=3.0, c_mean=3.0)
+    return ours
+
+
+def _tri(lq, lk):
+    return torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 2, 2, 64, 64, 32), (2, 4, 2, 97, 130, 64), (1, 4, 1, 130, 70, 64), (1, 2, 2, 1, 50, 40)]
+)
+@pytest.mark.parametrize("mode", ["full", "causal", "window"])
+def test_flash_gradients(dtype, shape, mode):
+    b, h, hkv, lq, lk, d = shape
+    q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=dtype, seed=lq + lk)
+    causal = mode == "causal"
+    window = (20, 7) if mode == "window" else None
+
+    def mask():
+        if causal:
+            return _tri(lq, lk)
+        if window:
+            i = torch.arange(lq)[:, None] + (lk - lq)
+            j = torch.arange(lk)[None, :]
+            return (j >= i - 20) & (j <= i + 7)
+        return None
+
+    fn = lambda q_, k_, v_: sparse_attn.flash_attention(q_, k_, v_, causal=causal, window=window, return_lse=True)  # noqa: E731
+    _check(f"flash {mode} {shape}", fn, mask, q, k, v, with_lse=mode == "full")
+
+
+@pytest.mark.parametrize("name", ["random", "longformer", "dilated", "causal_plain", "window", "empty_rows"])
+def test_block_sparse_gradients(name):
+    L = 300
+    q, k, v = make_qkv(1, 4, 2, L, L, 64, dtype=torch.float32, seed=len(name))
+    mask = {
+        "random": lambda: patterns.random_blocks(L, 0.4, seed=1, heads=4, block_size=64),
+        "longformer": lambda: patterns.longformer(L, 50, [0, 200]),
+        "dilated": lambda: patterns.dilated(L, 90, 3),  # its route: flash over strided views
+        "causal_plain": lambda: sparse_attn.BlockSparseMask(
+            *patterns.causal(L, L)._tensors(), seq_lengths=(L, L)
+        ),  # the block kernel
+        "window": lambda: patterns.sliding_window(L, 40, causal=True),  # its route: flash with a window
+        "empty_rows": lambda: patterns.dilated_2d(L, 128, 3),  # rows that see no key
+    }[name]()
+    fn = lambda q_, k_, v_: sparse_attn.block_sparse_attention(q_, k_, v_, mask, return_lse=True)  # noqa: E731
+    dq, dk, dv = _check(f"block-sparse {name}", fn, lambda: mask.to_dense(), q, k, v, with_lse=True)
+    if name == "empty_rows":
+        empty = ~mask.to_dense()[0, 0].any(-1)
+        assert empty.any() and (dq[:, :, empty] == 0).all()
+
+
+@pytest.mark.parametrize("indexer", [False, True])
+def test_topk_gradients_given_the_selection(indexer):
+    q, k, v = make_qkv(2, 4, 2, 120, 150, 64, dtype=torch.float32, seed=3)
+    extra = {}
+    if indexer:
+        g = torch.Generator().manual_seed(4)
+        extra = {
+            "index_query": torch.randn(2, 120, 2, 32, generator=g),
+            "index_key": torch.randn(2, 150, 32, generator=g),
+            "index_weights": torch.randn(2, 120, 2, generator=g),
+        }
+    _, idx = sparse_attn.topk_attention(q, k, v, 24, causal=True, return_indices=True, **extra)
+
+    def fn(q_, k_, v_):
+        return sparse_attn.topk_attention(q_, k_, v_, 24, causal=True, return_lse=True, **extra)
+
+    def mask():
+        m = torch.zeros(2, idx.shape[1], 120, 151, dtype=torch.bool)
+        m.scatter_(-1, torch.where(idx >= 0, idx, 150).long(), True)
+        return m[..., :150].repeat_interleave(4 // idx.shape[1], dim=1)
+
+    _check(f"topk indexer={indexer}", fn, mask, q, k, v)
+
+
+def test_block_topk_and_dense_gradients():
+    q, k, v = make_qkv(1, 2, 2, 200, 200, 32, dtype=torch.float32, seed=9)
+    _, blocks = sparse_attn.topk_attention(q, k, v, 2, block_size=64, causal=True, return_indices=True)
+    mask = sparse_attn.analysis.mask_from_block_indices(blocks, (200, 200), 64, causal=True).to_dense()
+
+    def block(q_, k_, v_):
+        return sparse_attn.topk_attention(q_, k_, v_, 2, block_size=64, causal=True, return_lse=True)
+
+    _check("block top-k", block, lambda: mask, q, k, v)
+    bias = torch.zeros(200, 200).masked_fill(~_tri(200, 200), float("-inf"))
+
+    def dense(q_, k_, v_):
+        return sparse_attn.dense_attention(q_, k_, v_, attn_mask=_tri(200, 200), return_lse=True)
+
+    _check("dense", dense, lambda: _tri(200, 200), q, k, v, with_lse=True)
+    assert bias.isneginf().any()
+
+
+def test_rows_with_no_key_get_zero_gradients_and_nan_propagates():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float32, seed=11)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out = sparse_attn.flash_attention(q, k, v, window=(0, 0))  # each row sees its own key
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(v.grad).all()
+    # Lq > Lk under causal: the first rows see no key: exactly zero gradient.
+    q2 = torch.randn(1, 2, 80, 32, requires_grad=True)
+    k2, v2 = (torch.randn(1, 2, 40, 32, requires_grad=True) for _ in range(2))
+    sparse_attn.flash_attention(q2, k2, v2, causal=True).sum().backward()
+    assert (q2.grad[:, :, :40] == 0).all() and torch.isfinite(k2.grad).all()
+    # NaN in a visible value reaches the gradients of the rows that see it.
+    v3 = v.detach().clone()
+    v3[0, 0, 10] = float("nan")
+    v3.requires_grad_(True)
+    q3 = q.detach().clone().requires_grad_(True)
+    sparse_attn.flash_attention(q3, k.detach(), v3, causal=True).sum().backward()
+    assert q3.grad[0, 0, 10:].isnan().any() and not q3.grad[0, 0, :10].isnan().any()
+
+
+def test_backward_is_deterministic():
+    q, k, v = make_qkv(2, 8, 2, 150, 150, 64, dtype=torch.bfloat16, seed=2)
+    mask = patterns.longformer(150, 30, [0])
+    runs = [
+        _grads(
+            lambda a, b, c: sparse_attn.block_sparse_attention(a, b, c, mask, return_lse=True),
+            q,
+            k,
+            v,
+            torch.ones(2, 8, 150, 64),
+        )
+        for _ in range(3)
+    ]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_compiled_training_step_equals_eager():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 3 * 64)
+
+    def step(x):
+        qkv = layer(x).view(1, 96, 3, 2, 32).permute(2, 0, 3, 1, 4)
+        out = sparse_attn.flash_attention(qkv[0], qkv[1], qkv[2], causal=True)
+        return out.square().mean()
+
+    x = torch.randn(1, 96, 64)
+    eager = torch.autograd.grad(step(x), layer.weight)[0]
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(x), layer.weight)[0]
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_backward_raises_a_clear_error():
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 2, 64, 64, 64, device="cuda"))
+    with pytest.raises(RuntimeError, match="backward pass runs on CPU tensors only"):
+        sparse_attn.flash_attention(q, k, v).sum().backward()
