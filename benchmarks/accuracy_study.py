@@ -95,8 +95,8 @@ def main(argv=None) -> int:
         "- **recall**: per query row, the share of its dense softmax probability on the attended keys "
         "(`analysis.softmax_mass_recall`); mean, minimum and 1st percentile over the B·H·L rows.",
         "- Indexer rows select with `analysis.structured_indexer(q, k)` (a noisy low-rank projection of q and k, "
-        "one key per token shared by the heads); block top-k scores blocks by a bound of q.k (Quest), "
-        "diagonal and first blocks kept.",
+        "one key per token shared by the heads); block top-k scores blocks by a bound of q.k (Quest), the diagonal, "
+        "previous and first blocks kept.",
     ]
     start = time.perf_counter()
     for data, (q, k, v) in inputs.items():

@@ -446,9 +446,9 @@ def mask_from_block_indices(
     >>> from sparse_attn.analysis import mask_from_block_indices
     >>> q = k = v = torch.randn(1, 2, 256, 64)
     >>> _, blocks = sparse_attn.topk_attention(q, k, v, 1, block_size=64, causal=True, return_indices=True)
-    >>> mask = mask_from_block_indices(blocks, (256, 256), 64, causal=True)  # the diagonal blocks only
-    >>> mask.density()  # counts whole blocks: four 64 x 64 blocks of 256 x 256
-    0.25
+    >>> mask = mask_from_block_indices(blocks, (256, 256), 64, causal=True)  # the blocks always kept
+    >>> mask.density()  # whole blocks: per query block the diagonal, the one before it, the first
+    0.5625
     """
     if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.dtype == torch.bool:
         raise TypeError("indices must be an integer tensor (B, H, nQb, k)")

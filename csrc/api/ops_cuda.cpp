@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 
 #include "common.h"
 #include "cuda_common.h"
@@ -198,12 +199,33 @@ at::Tensor indexer_select_cuda(const at::Tensor& index_query, const at::Tensor& 
 }
 
 // The backward kernels run on the CPU only so far: on CUDA a clear error, not a missing kernel.
-template <typename... Args>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_not_on_cuda(Args&&...) {
+[[noreturn]] void backward_not_on_cuda() {
   TORCH_CHECK(false,
               "sparse_attn: the backward pass runs on CPU tensors only so far; the CUDA backward kernels are "
               "not implemented yet (train on the CPU, or use these ops under torch.no_grad() on the GPU)");
-  return {};
+  std::abort();  // unreachable: TORCH_CHECK(false) throws
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              const c10::optional<at::Tensor>&, c10::optional<double>,
+                                                              bool, int64_t, int64_t) {
+  backward_not_on_cuda();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, int64_t, int64_t, c10::optional<double>) {
+  backward_not_on_cuda();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_bwd_cuda(const at::Tensor&, const at::Tensor&,
+                                                               const at::Tensor&, const at::Tensor&,
+                                                               const at::Tensor&, const at::Tensor&,
+                                                               const c10::optional<at::Tensor>&, const at::Tensor&,
+                                                               c10::optional<double>) {
+  backward_not_on_cuda();
 }
 
 // Plans of CUDA inputs (sparse_attn.explain) learn their device from here.
@@ -218,19 +240,9 @@ const bool kCudaPlansRegistered = [] {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
-  m.impl("flash_bwd",
-         &bwd_not_on_cuda<const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                          c10::optional<double>, bool, int64_t, int64_t>);
-  m.impl("block_sparse_bwd",
-         &bwd_not_on_cuda<const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                          c10::optional<double>>);
-  m.impl("gather_bwd",
-         &bwd_not_on_cuda<const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&,
-                          c10::optional<double>>);
+  m.impl("flash_bwd", &flash_bwd_cuda);
+  m.impl("block_sparse_bwd", &block_sparse_bwd_cuda);
+  m.impl("gather_bwd", &gather_bwd_cuda);
   m.impl("gather_fwd", &gather_fwd_cuda);
   m.impl("topk_select", &topk_select_cuda);
   m.impl("indexer_select", &indexer_select_cuda);
