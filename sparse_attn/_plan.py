@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -125,11 +125,21 @@ class Plan:
     route: str
     why: str
     launches: tuple[Launch, ...]
+    backward: str = ""  # what a backward through this call runs
 
     def __str__(self) -> str:
         lines = [f"{self.op}: route {self.route}", f"  why: {self.why}"]
         lines += [f"  {launch}" for launch in self.launches]
+        if self.backward:
+            lines.append(f"  backward: {self.backward}")
         return "\n".join(lines)
+
+
+def _backward(kernels: str, device: torch.device, target) -> str:
+    """The backward of a call: its ops' backward kernels, which run on the CPU only so far."""
+    if device.type == "cpu" and target[0] == 0:
+        return f"{kernels} (CPU kernels: P recomputed from the LSE, one (batch, kv head) per thread)"
+    return f"{kernels}: not on CUDA yet (a backward there raises an error; the forward runs as planned)"
 
 
 def _launch(kernel: str, text: str, count: int = 1, role: str = "") -> Launch:
@@ -309,7 +319,18 @@ def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
         raise ValueError(f"op must be one of {sorted(_EXPLAIN)} (or the function), got {op!r}")
     bound = inspect.signature(getattr(ops, name)).bind(*args, **kwargs)
     bound.apply_defaults()
-    return _EXPLAIN[name](bound.arguments, _target(target))
+    tgt = _target(target)
+    plan = _EXPLAIN[name](bound.arguments, tgt)
+    if name == "dense_attention":  # its backward is torch's autograd of its math, on any device
+        return replace(plan, backward="the baseline's math redone in fp32 through autograd (materialised)")
+    kernels = sorted({_BACKWARD[launch.kernel] for launch in plan.launches if launch.kernel in _BACKWARD})
+    if kernels:
+        plan = replace(plan, backward=_backward(", ".join(kernels), bound.arguments["query"].device, tgt))
+    return plan
+
+
+# The backward op of each forward kernel (autograd in _meta.py).
+_BACKWARD = {"flash_fwd": "flash_bwd", "block_sparse_fwd": "block_sparse_bwd", "gather_fwd": "gather_bwd"}
 
 
 # ------------------------------------------------------------------------------------ overrides

@@ -134,8 +134,11 @@ def test_topk_routes():
 # ------------------------------------------------------------------------------------ kernel plans
 def test_cpu_plans():
     q, k, v = _qkv(d=64, dtype=torch.float32)
-    launch = _only(sparse_attn.explain(sparse_attn.flash_attention, q, k, v))
-    assert (launch.core, launch.tile) == ("cpu", (32, 64))
+    plan = sparse_attn.explain(sparse_attn.flash_attention, q, k, v)
+    assert (_only(plan).core, _only(plan).tile) == ("cpu", (32, 64))
+    assert plan.backward.startswith("flash_bwd (CPU kernels")
+    gpu = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 8, target="sm90")
+    assert gpu.backward == "gather_bwd: not on CUDA yet (a backward there raises an error; the forward runs as planned)"
 
 
 @pytest.mark.parametrize("d", [64, 128, 40, 96])
