@@ -236,11 +236,10 @@ def _dense_backward(ctx, grad_out, grad_lse):
         total = e.sum(-1, keepdim=True)
         p = torch.where(total > 0, e / total, torch.zeros_like(e))
         lse_ = torch.where(
-            total[..., 0] > 0, m[..., 0] + torch.log(total[..., 0]), torch.full_like(m[..., 0], -math_inf)
+            total[..., 0] > 0, m[..., 0] + torch.log(total[..., 0]), torch.full_like(m[..., 0], float("-inf"))
         )
         return (p @ v.float()).to(q.dtype), lse_
 
-    math_inf = float("inf")
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
         o, l_ = math(q, k, v)

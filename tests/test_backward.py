@@ -121,13 +121,11 @@ def test_block_topk_and_dense_gradients():
         return sparse_attn.topk_attention(q_, k_, v_, 2, block_size=64, causal=True, return_lse=True)
 
     _check("block top-k", block, lambda: mask, q, k, v)
-    bias = torch.zeros(200, 200).masked_fill(~_tri(200, 200), float("-inf"))
 
     def dense(q_, k_, v_):
         return sparse_attn.dense_attention(q_, k_, v_, attn_mask=_tri(200, 200), return_lse=True)
 
     _check("dense", dense, lambda: _tri(200, 200), q, k, v, with_lse=True)
-    assert bias.isneginf().any()
 
 
 def test_rows_with_no_key_get_zero_gradients_and_nan_propagates():
