@@ -135,11 +135,20 @@ class Plan:
         return "\n".join(lines)
 
 
-def _backward(kernels: str, device: torch.device, target) -> str:
-    """The backward of a call: its ops' backward kernels, which run on the CPU only so far."""
-    if device.type == "cpu" and target[0] == 0:
+def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target) -> str:
+    """The backward of a call: its ops' backward kernels and where they run."""
+    if query.device.type == "cpu" and target[0] == 0:
         return f"{kernels} (CPU kernels: P recomputed from the LSE, one (batch, kv head) per thread)"
-    return f"{kernels}: not on CUDA yet (a backward there raises an error; the forward runs as planned)"
+    tensor_cores = (
+        "gather_bwd" not in kernels
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] == value.shape[-1] <= 128
+    )
+    if tensor_cores:
+        how = "tensor-core kernel: 64 keys per CTA, dK and dV in registers, dQ summed in fp32 with atomics"
+    else:
+        how = "CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics"
+    return f"{kernels} (CUDA {how}; not deterministic)"
 
 
 def _launch(kernel: str, text: str, count: int = 1, role: str = "") -> Launch:
@@ -325,7 +334,8 @@ def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
         return replace(plan, backward="the baseline's math redone in fp32 through autograd (materialised)")
     kernels = sorted({_BACKWARD[launch.kernel] for launch in plan.launches if launch.kernel in _BACKWARD})
     if kernels:
-        plan = replace(plan, backward=_backward(", ".join(kernels), bound.arguments["query"].device, tgt))
+        args = bound.arguments
+        plan = replace(plan, backward=_backward(", ".join(kernels), args["query"], args["value"], tgt))
     return plan
 
 

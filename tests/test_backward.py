@@ -1,7 +1,8 @@
-"""Gradients of every op (CPU kernels) against fp64 autograd of the reference under the same
-mask, with the tolerance rule applied to dQ, dK, dV (factor 3, as FlashAttention's tests); empty
-rows give zero gradients, never NaN; the LSE's gradient is honoured; the backward is
-bit-identical run to run; and compiled training steps equal eager ones."""
+"""Gradients of every op (CPU kernels, and the CUDA kernels where a GPU is present) against fp64
+autograd of the reference under the same mask, with the tolerance rule applied to dQ, dK, dV
+(factor 3, as FlashAttention's tests); empty rows give zero gradients, never NaN; the LSE's
+gradient is honoured; the CPU backward is bit-identical run to run (the CUDA one says it is not
+under torch.use_deterministic_algorithms); compiled training steps equal eager ones."""
 
 import pytest
 import torch
@@ -21,8 +22,9 @@ def _grads(fn, q, k, v, g, glse=None):
     return q.grad, k.grad, v.grad
 
 
-def _check(name, fn, ref_mask_fn, q, k, v, *, scale=None, with_lse=False):
-    """fn(q, k, v) -> (out, lse) of ours; ref_mask_fn() -> the bool mask of the same attention."""
+def _check(name, fn, ref_mask_fn, q, k, v, *, scale=None, with_lse=False, device="cpu"):
+    """fn(q, k, v) -> (out, lse) of ours (run on `device`); ref_mask_fn() -> the bool mask of the
+    same attention (the references run on the CPU)."""
     g = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(5))
     glse = torch.randn(q.shape[:3], generator=torch.Generator().manual_seed(6)) if with_lse else None
     mask = ref_mask_fn()
@@ -30,7 +32,8 @@ def _check(name, fn, ref_mask_fn, q, k, v, *, scale=None, with_lse=False):
     def ref(dtype):
         return lambda q_, k_, v_: reference.attention(q_, k_, v_, mask=mask, scale=scale, dtype=dtype)
 
-    ours = _grads(fn, q, k, v, g, glse)
+    moved = (t.to(device) if t is not None else None for t in (q, k, v, g, glse))
+    ours = tuple(x.cpu() for x in _grads(fn, *moved))
     gold = _grads(ref(torch.float64), q.double(), k.double(), v.double(), g.double(), glse)
     lp = _grads(ref(q.dtype), q, k, v, g, glse)
     for what, a, b, c in zip(("dq", "dk", "dv"), ours, gold, lp, strict=True):
@@ -45,10 +48,18 @@ def _tri(lq, lk):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize(
-    "shape", [(1, 2, 2, 64, 64, 32), (2, 4, 2, 97, 130, 64), (1, 4, 1, 130, 70, 64), (1, 2, 2, 1, 50, 40)]
+    "shape",
+    [
+        (1, 2, 2, 64, 64, 32),
+        (2, 4, 2, 97, 130, 64),
+        (1, 4, 1, 130, 70, 64),
+        (1, 2, 2, 1, 50, 40),
+        (1, 4, 2, 200, 300, 128),
+        (1, 2, 1, 70, 90, 256),
+    ],
 )
 @pytest.mark.parametrize("mode", ["full", "causal", "window"])
-def test_flash_gradients(dtype, shape, mode):
+def test_flash_gradients(dtype, shape, mode, device):
     b, h, hkv, lq, lk, d = shape
     q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=dtype, seed=lq + lk)
     causal = mode == "causal"
@@ -64,13 +75,14 @@ def test_flash_gradients(dtype, shape, mode):
         return None
 
     fn = lambda q_, k_, v_: sparse_attn.flash_attention(q_, k_, v_, causal=causal, window=window, return_lse=True)  # noqa: E731
-    _check(f"flash {mode} {shape}", fn, mask, q, k, v, with_lse=mode == "full")
+    _check(f"flash {mode} {shape}", fn, mask, q, k, v, with_lse=mode == "full", device=device)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", ["random", "longformer", "dilated", "causal_plain", "window", "empty_rows"])
-def test_block_sparse_gradients(name):
+def test_block_sparse_gradients(name, dtype, device):
     L = 300
-    q, k, v = make_qkv(1, 4, 2, L, L, 64, dtype=torch.float32, seed=len(name))
+    q, k, v = make_qkv(1, 4, 2, L, L, 64, dtype=dtype, seed=len(name))
     mask = {
         "random": lambda: patterns.random_blocks(L, 0.4, seed=1, heads=4, block_size=64),
         "longformer": lambda: patterns.longformer(L, 50, [0, 200]),
@@ -82,24 +94,32 @@ def test_block_sparse_gradients(name):
         "empty_rows": lambda: patterns.dilated_2d(L, 128, 3),  # rows that see no key
     }[name]()
     fn = lambda q_, k_, v_: sparse_attn.block_sparse_attention(q_, k_, v_, mask, return_lse=True)  # noqa: E731
-    dq, dk, dv = _check(f"block-sparse {name}", fn, lambda: mask.to_dense(), q, k, v, with_lse=True)
+    if device != "cpu":
+        mask = mask.to(device)
+    dense = lambda: mask.to_dense().cpu()  # noqa: E731
+    dq, dk, dv = _check(f"block-sparse {name}", fn, dense, q, k, v, with_lse=True, device=device)
     if name == "empty_rows":
-        empty = ~mask.to_dense()[0, 0].any(-1)
+        empty = ~dense()[0, 0].any(-1)
         assert empty.any() and (dq[:, :, empty] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("indexer", [False, True])
-def test_topk_gradients_given_the_selection(indexer):
-    q, k, v = make_qkv(2, 4, 2, 120, 150, 64, dtype=torch.float32, seed=3)
+def test_topk_gradients_given_the_selection(indexer, dtype, device):
+    q, k, v = make_qkv(2, 4, 2, 120, 150, 64, dtype=dtype, seed=3)
     extra = {}
     if indexer:
         g = torch.Generator().manual_seed(4)
         extra = {
-            "index_query": torch.randn(2, 120, 2, 32, generator=g),
-            "index_key": torch.randn(2, 150, 32, generator=g),
-            "index_weights": torch.randn(2, 120, 2, generator=g),
+            "index_query": torch.randn(2, 120, 2, 32, generator=g).to(dtype),
+            "index_key": torch.randn(2, 150, 32, generator=g).to(dtype),
+            "index_weights": torch.randn(2, 120, 2, generator=g).to(dtype),
         }
-    _, idx = sparse_attn.topk_attention(q, k, v, 24, causal=True, return_indices=True, **extra)
+    extra = {name: t.to(device) for name, t in extra.items()}
+    _, idx = sparse_attn.topk_attention(
+        *(t.to(device) for t in (q, k, v)), 24, causal=True, return_indices=True, **extra
+    )
+    idx = idx.cpu()
 
     def fn(q_, k_, v_):
         return sparse_attn.topk_attention(q_, k_, v_, 24, causal=True, return_lse=True, **extra)
@@ -109,43 +129,49 @@ def test_topk_gradients_given_the_selection(indexer):
         m.scatter_(-1, torch.where(idx >= 0, idx, 150).long(), True)
         return m[..., :150].repeat_interleave(4 // idx.shape[1], dim=1)
 
-    _check(f"topk indexer={indexer}", fn, mask, q, k, v)
+    _check(f"topk indexer={indexer}", fn, mask, q, k, v, device=device)
 
 
-def test_block_topk_and_dense_gradients():
-    q, k, v = make_qkv(1, 2, 2, 200, 200, 32, dtype=torch.float32, seed=9)
-    _, blocks = sparse_attn.topk_attention(q, k, v, 2, block_size=64, causal=True, return_indices=True)
-    mask = sparse_attn.analysis.mask_from_block_indices(blocks, (200, 200), 64, causal=True).to_dense()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_block_topk_and_dense_gradients(dtype, device):
+    q, k, v = make_qkv(1, 2, 2, 200, 200, 32, dtype=dtype, seed=9)
+    on = [t.to(device) for t in (q, k, v)]
+    _, blocks = sparse_attn.topk_attention(*on, 2, block_size=64, causal=True, return_indices=True)
+    mask = sparse_attn.analysis.mask_from_block_indices(blocks.cpu(), (200, 200), 64, causal=True).to_dense()
 
     def block(q_, k_, v_):
         return sparse_attn.topk_attention(q_, k_, v_, 2, block_size=64, causal=True, return_lse=True)
 
-    _check("block top-k", block, lambda: mask, q, k, v)
+    _check("block top-k", block, lambda: mask, q, k, v, device=device)
 
     def dense(q_, k_, v_):
-        return sparse_attn.dense_attention(q_, k_, v_, attn_mask=_tri(200, 200), return_lse=True)
+        return sparse_attn.dense_attention(q_, k_, v_, attn_mask=_tri(200, 200).to(device), return_lse=True)
 
-    _check("dense", dense, lambda: _tri(200, 200), q, k, v, with_lse=True)
+    _check("dense", dense, lambda: _tri(200, 200), q, k, v, with_lse=True, device=device)
 
 
-def test_rows_with_no_key_get_zero_gradients_and_nan_propagates():
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=torch.float32, seed=11)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_with_no_key_get_zero_gradients_and_nan_propagates(dtype, device):
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=dtype, device=device, seed=11)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
     out = sparse_attn.flash_attention(q, k, v, window=(0, 0))  # each row sees its own key
     out.sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(v.grad).all()
     # Lq > Lk under causal: the first rows see no key: exactly zero gradient.
-    q2 = torch.randn(1, 2, 80, 32, requires_grad=True)
-    k2, v2 = (torch.randn(1, 2, 40, 32, requires_grad=True) for _ in range(2))
+    q2 = torch.randn(1, 2, 80, 32, dtype=dtype, device=device, requires_grad=True)
+    k2, v2 = (torch.randn(1, 2, 40, 32, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
     sparse_attn.flash_attention(q2, k2, v2, causal=True).sum().backward()
     assert (q2.grad[:, :, :40] == 0).all() and torch.isfinite(k2.grad).all()
-    # NaN in a visible value reaches the gradients of the rows that see it.
-    v3 = v.detach().clone()
-    v3[0, 0, 10] = float("nan")
-    v3.requires_grad_(True)
-    q3 = q.detach().clone().requires_grad_(True)
-    sparse_attn.flash_attention(q3, k.detach(), v3, causal=True).sum().backward()
-    assert q3.grad[0, 0, 10:].isnan().any() and not q3.grad[0, 0, :10].isnan().any()
+    # NaN in a visible value reaches the gradients of the rows that see it, and no row whose keys
+    # lie in other key tiles. (Within the NaN's own 64- or 128-key tile, the GPU kernels multiply
+    # hidden values by P = 0, as FlashAttention does, so only the CPU keeps those rows clean.)
+    q3, k3, v3 = make_qkv(1, 2, 2, 300, 300, 32, dtype=dtype, device=device, seed=12)
+    v3[0, 0, 200] = float("nan")
+    q3.requires_grad_(True)
+    sparse_attn.flash_attention(q3, k3, v3, causal=True).sum().backward()
+    assert q3.grad[0, 0, 200:].isnan().any() and not q3.grad[0, 0, :128].isnan().any()
+    if device == "cpu":
+        assert not q3.grad[0, 0, :200].isnan().any()
 
 
 def test_backward_is_deterministic():
@@ -166,16 +192,16 @@ def test_backward_is_deterministic():
             assert torch.equal(a, b)
 
 
-def test_compiled_training_step_equals_eager():
+def test_compiled_training_step_equals_eager(device):
     torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 3 * 64)
+    layer = torch.nn.Linear(64, 3 * 64).to(device)
 
     def step(x):
         qkv = layer(x).view(1, 96, 3, 2, 32).permute(2, 0, 3, 1, 4)
         out = sparse_attn.flash_attention(qkv[0], qkv[1], qkv[2], causal=True)
         return out.square().mean()
 
-    x = torch.randn(1, 96, 64)
+    x = torch.randn(1, 96, 64, device=device)
     eager = torch.autograd.grad(step(x), layer.weight)[0]
     torch._dynamo.reset()
     compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(x), layer.weight)[0]
@@ -183,7 +209,41 @@ def test_compiled_training_step_equals_eager():
 
 
 @pytest.mark.cuda
-def test_cuda_backward_raises_a_clear_error():
+def test_cuda_backward_alerts_under_deterministic_algorithms():
+    """The CUDA backward sums with fp32 atomics: under torch.use_deterministic_algorithms(True)
+    it raises PyTorch's own error rather than giving gradients that differ run to run."""
     q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 2, 64, 64, 64, device="cuda"))
-    with pytest.raises(RuntimeError, match="backward pass runs on CPU tensors only"):
-        sparse_attn.flash_attention(q, k, v).sum().backward()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            sparse_attn.flash_attention(q, k, v).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("portable", [False, True], ids=["planned", "portable"])
+@pytest.mark.parametrize("d", [64, 128, 96])
+def test_cuda_backward_matches_the_cpu_kernels(d, portable):
+    """GQA, causal, ragged lengths, per-head block-sparse masks of 64- and 128-blocks: the CUDA
+    backward (the planned kernel: Hopper's on an H100; and the portable one) against the CPU
+    backward on the same bf16 inputs (both fp32 inside)."""
+    q, k, v = make_qkv(2, 8, 2, 333, 333, d, dtype=torch.bfloat16, seed=d)
+    g = torch.randn(2, 8, 333, d, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    def sparse(block):
+        mask = patterns.random_blocks(333, 0.3, seed=2, heads=8, block_size=block)
+        return lambda a, b, c: sparse_attn.block_sparse_attention(a, b, c, mask.to(a.device), return_lse=True)
+
+    for fn in (
+        lambda a, b, c: sparse_attn.flash_attention(a, b, c, causal=True, return_lse=True),
+        lambda a, b, c: sparse_attn.flash_attention(a, b, c, window=(100, 30), return_lse=True),
+        lambda a, b, c: sparse_attn.flash_attention(a, b, c, return_lse=True),
+        sparse(64),
+        sparse(128),
+    ):
+        cpu = _grads(fn, q, k, v, g)
+        with sparse_attn._plan.overrides(portable_only=portable):
+            gpu = _grads(fn, q.cuda(), k.cuda(), v.cuda(), g.cuda())
+        for a, b in zip(cpu, gpu, strict=True):
+            torch.testing.assert_close(b.cpu().float(), a.float(), atol=2e-2, rtol=2e-2)

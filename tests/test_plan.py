@@ -138,7 +138,10 @@ def test_cpu_plans():
     assert (_only(plan).core, _only(plan).tile) == ("cpu", (32, 64))
     assert plan.backward.startswith("flash_bwd (CPU kernels")
     gpu = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 8, target="sm90")
-    assert gpu.backward == "gather_bwd: not on CUDA yet (a backward there raises an error; the forward runs as planned)"
+    assert gpu.backward.startswith("gather_bwd (CUDA CUDA-core kernel")
+    half = _qkv(d=128, dtype=torch.bfloat16)
+    gpu = sparse_attn.explain(sparse_attn.flash_attention, *half, causal=True, target="sm90")
+    assert gpu.backward.startswith("flash_bwd (CUDA tensor-core kernel")
 
 
 @pytest.mark.parametrize("d", [64, 128, 40, 96])

@@ -1,6 +1,6 @@
 // CUDA backend: checks, device guard, current stream, params, dispatch to the kernels.
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -10,6 +10,7 @@
 
 #include "common.h"
 #include "cuda_common.h"
+#include "sparse_attn/cuda/attn_bwd.h"
 #include "sparse_attn/cuda/flash_fwd.h"
 #include "sparse_attn/cuda/gather_fwd.h"
 #include "sparse_attn/cuda/topk.h"
@@ -30,7 +31,8 @@ struct CudaInputs {
 
 // Checks the inputs and aligns them for the tensor-core kernels (data = false: only the layout
 // an aligned copy would have, for planning without running anything).
-CudaInputs prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool data = true) {
+CudaInputs prepare(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                   bool data = true) {
   CudaInputs in{check_qkv(query, key, value), query, key, value};
   check_cuda(query);
   if (flash_needs_aligned_inputs(scalar_kind(query.scalar_type()))) {
@@ -52,13 +54,16 @@ void launch_flash(const AttnFwdParams& params, const FlashPlan& plan, const QkvS
   AttnFwdParams p = params;
   at::Tensor counter;
   if (plan.schedule == Schedule::kDynamic) {
-    counter = at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
+    counter =
+        at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
     C10_CUDA_CHECK(cudaMemsetAsync(counter.data_ptr(), 0, sizeof(int32_t), stream));
     p.tile_counter = counter.data_ptr<int32_t>();
   }
   cudaError_t err = cudaErrorInvalidValue;
   switch (plan.core) {
-    case Core::kCudaCores: err = run_flash_fwd_fp32_<kVariant>(p, stream); break;
+    case Core::kCudaCores:
+      err = run_flash_fwd_fp32_<kVariant>(p, stream);
+      break;
     case Core::kPortable:
       err = SA_HALF_DTYPE_SWITCH(p.dtype, kDtype, [&] {
         return SA_HEADDIM_SWITCH(padded_head_dim(p.d), kHeadDim,
@@ -68,12 +73,14 @@ void launch_flash(const AttnFwdParams& params, const FlashPlan& plan, const QkvS
     case Core::kHopper:
       err = SA_HALF_DTYPE_SWITCH(p.dtype, kDtype, [&] {
         return SA_HEADDIM_SWITCH(padded_head_dim(p.d), kHeadDim, [&] {
-          if constexpr (kHeadDim <= 128) return run_flash_fwd_sm90_<kDtype, kHeadDim, kVariant>(p, plan, stream);
+          if constexpr (kHeadDim <= 128)
+            return run_flash_fwd_sm90_<kDtype, kHeadDim, kVariant>(p, plan, stream);
           return cudaErrorInvalidValue;
         });
       });
       break;
-    case Core::kCpu: break;
+    case Core::kCpu:
+      break;
   }
   check_launch(err, what);
 }
@@ -87,7 +94,8 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda(const at::Tensor& query, const
   AttnFwdParams params = set_params_fwd(in.q, in.k, in.v, out, lse, in.s, resolve_scale(scale, in.s.d));
   set_params_window(params, causal, window_left, window_right);
   if (fill_trivial_outputs(in.s, out, lse)) return {out, lse};
-  const FlashPlan plan = plan_flash(params, Variant::kWindow, cuda_device_info(query.get_device()), plan_options());
+  const FlashPlan plan =
+      plan_flash(params, Variant::kWindow, cuda_device_info(query.get_device()), plan_options());
   launch_flash<Variant::kWindow>(params, plan, in.s, "flash_fwd");
   return {out, lse};
 }
@@ -102,8 +110,8 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda(
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse] = alloc_outputs(query, in.s);
   AttnFwdParams params = set_params_fwd(in.q, in.k, in.v, out, lse, in.s, resolve_scale(scale, in.s.d));
-  auto keep = set_params_block_sparse(params, query, in.s, kv_num_blocks, kv_indices, kv_partial, partial_masks,
-                                      q_block, kv_block);
+  auto keep = set_params_block_sparse(params, query, in.s, kv_num_blocks, kv_indices, kv_partial,
+                                      partial_masks, q_block, kv_block);
   at::Tensor order = set_params_block_order(params, query, q_block_order);
   if (fill_trivial_outputs(in.s, out, lse)) return {out, lse};
   const FlashPlan plan =
@@ -115,9 +123,12 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda(
 template <typename F>
 cudaError_t dtype_dispatch(ScalarKind dtype, F&& f) {
   switch (dtype) {
-    case ScalarKind::kFloat32: return f(std::integral_constant<ScalarKind, ScalarKind::kFloat32>{});
-    case ScalarKind::kBFloat16: return f(std::integral_constant<ScalarKind, ScalarKind::kBFloat16>{});
-    default: return f(std::integral_constant<ScalarKind, ScalarKind::kFloat16>{});
+    case ScalarKind::kFloat32:
+      return f(std::integral_constant<ScalarKind, ScalarKind::kFloat32>{});
+    case ScalarKind::kBFloat16:
+      return f(std::integral_constant<ScalarKind, ScalarKind::kBFloat16>{});
+    default:
+      return f(std::integral_constant<ScalarKind, ScalarKind::kFloat16>{});
   }
 }
 
@@ -198,34 +209,176 @@ at::Tensor indexer_select_cuda(const at::Tensor& index_query, const at::Tensor& 
   return run_select(params, out, index_query);
 }
 
-// The backward kernels run on the CPU only so far: on CUDA a clear error, not a missing kernel.
-[[noreturn]] void backward_not_on_cuda() {
-  TORCH_CHECK(false,
-              "sparse_attn: the backward pass runs on CPU tensors only so far; the CUDA backward kernels are "
-              "not implemented yet (train on the CPU, or use these ops under torch.no_grad() on the GPU)");
-  std::abort();  // unreachable: TORCH_CHECK(false) throws
+// ---- backward (attn_bwd.h says the sequence of kernels) ----
+
+// The inputs of a backward call, aligned for the tensor-core kernel where it runs, and the
+// params filled from them.
+struct CudaBwdCall {
+  QkvShape s;
+  bool tensor_cores = false;
+  at::Tensor q, k, v, dout;
+  AttnBwdParams params{};
+  BwdTensors t;
+};
+
+CudaBwdCall prepare_bwd(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                        const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                        const c10::optional<at::Tensor>& grad_lse, c10::optional<double> scale, bool gather) {
+  CudaBwdCall c;
+  c.s = check_qkv(query, key, value);
+  check_cuda(query);
+  const ScalarKind dtype = scalar_kind(query.scalar_type());
+  c.tensor_cores =
+      gather ? gather_needs_aligned_inputs(dtype, c.s.d, c.s.dv) : bwd_tensor_cores(dtype, c.s.d, c.s.dv);
+  c.q = c.tensor_cores ? aligned_copy(query, true) : query;
+  c.k = c.tensor_cores ? aligned_copy(key, true) : key;
+  c.v = c.tensor_cores ? aligned_copy(value, true) : value;
+  c.dout = c.tensor_cores && grad_out.sizes() == out.sizes() ? aligned_copy(grad_out, true) : grad_out;
+  c.params.fwd = set_params_fwd(c.q, c.k, c.v, out, lse, c.s, resolve_scale(scale, c.s.d));
+  c.t = set_params_bwd(c.params, c.q, c.k, c.v, out, lse, c.dout, grad_lse);
+  return c;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                              const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                              const c10::optional<at::Tensor>&, c10::optional<double>,
-                                                              bool, int64_t, int64_t) {
-  backward_not_on_cuda();
+// Runs the backward kernels for a call whose forward params (window, mask or indices) are set.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant variant, bool gather,
+                                                       const char* what) {
+  const QkvShape& s = c.s;
+  if (s.b * s.h * s.lq == 0 || s.lk == 0) {  // nothing visible anywhere: zero gradients
+    c.t.dq.zero_();
+    c.t.dk.zero_();
+    c.t.dv.zero_();
+    return {c.t.dq, c.t.dk, c.t.dv};
+  }
+  if (at::globalContext().deterministicAlgorithms())
+    at::globalContext().alertNotDeterministic(std::string(what) + " on CUDA (its fp32 atomics)");
+  const c10::cuda::CUDAGuard guard(c.q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AttnBwdParams& bp = c.params;
+  const auto f32 = c.q.options().dtype(at::kFloat);
+  // Rows of the statistics: whole 128-row mask blocks, so that every query tile a kernel visits
+  // (a block-sparse mask block may reach past Lq) reads and reduces inside its (batch, head).
+  bp.lq_pad = int((s.lq + 127) / 128 * 128);
+  at::Tensor stats = at::empty({2, s.b * s.h, bp.lq_pad}, f32);
+  bp.lse_log2 = stats.data_ptr<float>();
+  bp.delta = bp.lse_log2 + s.b * s.h * bp.lq_pad;
+  check_launch(
+      dtype_dispatch(bp.fwd.dtype, [&](auto dt) { return run_bwd_preprocess_<dt.value>(bp, stream); }),
+      "backward preprocess");
+  if (c.tensor_cores && !gather) {
+    TORCH_CHECK(s.b * s.h_kv <= 65535, what, ": B * Hkv must be at most 65535, got ", s.b * s.h_kv);
+    // The Hopper kernel where it was built and a block-sparse mask's key blocks are its 128-key tiles.
+    const DeviceInfo dev = cuda_device_info(c.q.get_device());
+    const bool hopper = dev.cc == 90 && dev.sm90_kernels && dev.tma && !plan_options().portable_only &&
+                        (variant == Variant::kWindow || bp.fwd.kv_block == 128);
+    // dQ / scale in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the
+    // wgmma fragments in order (j, warp, g, t, e), undone below; the portable kernel's (B, H, Lq, D).
+    const int64_t col_blocks = padded_head_dim(s.d) / 64;
+    at::Tensor dq_accum = hopper ? at::zeros({s.b, s.h, bp.lq_pad / 64, col_blocks, 8, 4, 8, 4, 2, 2}, f32)
+                                 : at::zeros({s.b, s.h, s.lq, s.d}, f32);
+    bp.dq_accum = dq_accum.data_ptr<float>();
+    check_launch(
+        SA_HALF_DTYPE_SWITCH(
+            bp.fwd.dtype, kDtype,
+            [&] {
+              return SA_HEADDIM_SWITCH(padded_head_dim(s.d), kHeadDim, [&] {
+                if constexpr (kHeadDim <= 128) {
+                  if (variant == Variant::kWindow)
+                    return hopper ? run_attn_bwd_sm90_<kDtype, kHeadDim, Variant::kWindow>(bp, stream)
+                                  : run_attn_bwd_<kDtype, kHeadDim, Variant::kWindow>(bp, stream);
+                  return hopper ? run_attn_bwd_sm90_<kDtype, kHeadDim, Variant::kBlockSparse>(bp, stream)
+                                : run_attn_bwd_<kDtype, kHeadDim, Variant::kBlockSparse>(bp, stream);
+                }
+                return cudaErrorInvalidValue;
+              });
+            }),
+        what);
+    if (hopper) {  // row m * 64 + 16 warp + 8 e_hi + g, column 64 block + 8 j + 2 t + e_lo
+      const at::Tensor rows =
+          dq_accum.permute({0, 1, 2, 5, 8, 6, 3, 4, 7, 9}).reshape({s.b, s.h, bp.lq_pad, col_blocks * 64});
+      c.t.dq.copy_(rows.slice(2, 0, s.lq).slice(3, 0, s.d).mul(bp.fwd.scale));
+    } else {
+      c.t.dq.copy_(dq_accum.mul_(bp.fwd.scale));
+    }
+  } else {
+    at::Tensor dk_accum = at::zeros({s.b, s.h_kv, s.lk, s.d}, f32),
+               dv_accum = at::zeros({s.b, s.h_kv, s.lk, s.dv}, f32);
+    bp.dk_accum = dk_accum.data_ptr<float>();
+    bp.dv_accum = dv_accum.data_ptr<float>();
+    // Top-k: the forward's plan decides between the tensor-core and the CUDA-core kernel.
+    const GatherPlan plan = gather ? plan_gather(bp.fwd, cuda_device_info(c.q.get_device())) : GatherPlan{};
+    if (gather && plan.core == Core::kPortable) {
+      check_launch(SA_HALF_DTYPE_SWITCH(bp.fwd.dtype, kDtype,
+                                        [&] {
+                                          return plan.head_dim == 64
+                                                     ? run_gather_bwd_mma_<kDtype, 64>(bp, plan.group, stream)
+                                                     : run_gather_bwd_mma_<kDtype, 128>(bp, plan.group,
+                                                                                        stream);
+                                        }),
+                   what);
+    } else {
+      check_launch(dtype_dispatch(
+                       bp.fwd.dtype,
+                       [&](auto dt) {
+                         if (gather) return run_attn_bwd_simt_<dt.value, Variant::kWindow, true>(bp, stream);
+                         return variant == Variant::kWindow
+                                    ? run_attn_bwd_simt_<dt.value, Variant::kWindow, false>(bp, stream)
+                                    : run_attn_bwd_simt_<dt.value, Variant::kBlockSparse, false>(bp, stream);
+                       }),
+                   what);
+    }
+    c.t.dk.copy_(dk_accum);
+    c.t.dv.copy_(dv_accum);
+  }
+  return {c.t.dq, c.t.dk, c.t.dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cuda(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
+    c10::optional<double> scale, bool causal, int64_t window_left, int64_t window_right) {
+  CudaBwdCall c = prepare_bwd(grad_out, query, key, value, out, lse, grad_lse, scale, false);
+  set_params_window(c.params.fwd, causal, window_left, window_right);
+  return run_bwd(c, Variant::kWindow, false, "flash_bwd");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, int64_t, int64_t, c10::optional<double>) {
-  backward_not_on_cuda();
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
+    const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, const at::Tensor& kv_partial,
+    const at::Tensor& partial_masks, int64_t q_block, int64_t kv_block, c10::optional<double> scale) {
+  check_same_device(query, kv_num_blocks, "kv_num_blocks");
+  CudaBwdCall c = prepare_bwd(grad_out, query, key, value, out, lse, grad_lse, scale, false);
+  auto keep = set_params_block_sparse(c.params.fwd, query, c.s, kv_num_blocks, kv_indices, kv_partial,
+                                      partial_masks, q_block, kv_block);
+  // The transposed lists (key block -> query blocks), built on the GPU.
+  AttnBwdParams& bp = c.params;
+  const int64_t bm = kv_num_blocks.size(0), hm = kv_num_blocks.size(1);
+  const int64_t nqb = bp.fwd.num_q_blocks, nkb = bp.fwd.num_kv_blocks;
+  const auto i32 = query.options().dtype(at::kInt);
+  at::Tensor q_num = at::empty({bm, hm, nkb}, i32), q_idx = at::zeros({bm, hm, nkb, nqb}, i32),
+             q_part = at::empty({bm, hm, nkb, nqb}, i32);
+  if (q_num.numel() > 0) {
+    const c10::cuda::CUDAGuard guard(query.device());
+    check_launch(run_build_q_lists(bp, int(bm), int(hm), q_num.data_ptr<int32_t>(), q_idx.data_ptr<int32_t>(),
+                                   q_part.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream()),
+                 "block_sparse_bwd (transposed lists)");
+  }
+  bp.q_num_blocks = q_num.data_ptr<int32_t>();
+  bp.q_indices = q_idx.data_ptr<int32_t>();
+  bp.q_partial = q_part.data_ptr<int32_t>();
+  bp.qt_batch_stride = bm == 1 ? 0 : hm * nkb;
+  bp.qt_head_stride = hm == 1 ? 0 : nkb;
+  return run_bwd(c, Variant::kBlockSparse, false, "block_sparse_bwd");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_bwd_cuda(const at::Tensor&, const at::Tensor&,
-                                                               const at::Tensor&, const at::Tensor&,
-                                                               const at::Tensor&, const at::Tensor&,
-                                                               const c10::optional<at::Tensor>&, const at::Tensor&,
-                                                               c10::optional<double>) {
-  backward_not_on_cuda();
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_bwd_cuda(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
+    const at::Tensor& indices, c10::optional<double> scale) {
+  check_same_device(query, indices, "indices");
+  CudaBwdCall c = prepare_bwd(grad_out, query, key, value, out, lse, grad_lse, scale, true);
+  set_params_gather(c.params.fwd, query, c.s, indices);
+  return run_bwd(c, Variant::kWindow, true, "gather_bwd");
 }
 
 // Plans of CUDA inputs (sparse_attn.explain) learn their device from here.

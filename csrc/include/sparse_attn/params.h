@@ -51,9 +51,11 @@ struct AttnFwdParams {
   // dimensions broadcast through zero strides.
   const int32_t* __restrict__ kv_num_blocks;  // (Bm, Hm, nQb), int32
   const int32_t* __restrict__ kv_indices;     // (Bm, Hm, nQb, maxKb), int32
-  const int32_t* __restrict__ kv_partial;     // (Bm, Hm, nQb, maxKb), int32: -1 full, else row of partial_masks
-  const int32_t* __restrict__ partial_masks;  // (P, q_block, kv_block / 32), int32 bit words; bit c%32 of word c/32
-  int64_t bs_batch_stride, bs_head_stride;    // strides of kv_num_blocks over (Bm, Hm); indices use * max_kv_blocks
+  const int32_t* __restrict__ kv_partial;  // (Bm, Hm, nQb, maxKb), int32: -1 full, else row of partial_masks
+  const int32_t* __restrict__ partial_masks;  // (P, q_block, kv_block / 32), int32 bit words; bit c%32 of
+                                              // word c/32
+  int64_t bs_batch_stride,
+      bs_head_stride;  // strides of kv_num_blocks over (Bm, Hm); indices use * max_kv_blocks
   int q_block, kv_block;
   int num_q_blocks, num_kv_blocks, max_kv_blocks, num_partial;
   // Optional CTA schedule (tile_of_cta): the query blocks, heaviest first, then the number of
@@ -68,8 +70,8 @@ struct AttnFwdParams {
   // ---- gather (top-k) attention only ----
   const int32_t* __restrict__ indices;  // (B, Hi, Lq, topk), int32; -1 (or out of range) = no key
   int64_t idx_batch_stride, idx_head_stride, idx_row_stride;
-  int h_idx;         // Hi: 1 (shared by all heads), Hkv or H
-  int h_per_idx;     // H / Hi
+  int h_idx;      // Hi: 1 (shared by all heads), Hkv or H
+  int h_per_idx;  // H / Hi
   int topk;
 };
 
@@ -83,6 +85,26 @@ struct AttnBwdParams {
   void* __restrict__ dq;           // (B, H, Lq, D), dtype, contiguous
   void* __restrict__ dk;           // (B, Hkv, Lk, D), dtype, contiguous
   void* __restrict__ dv;           // (B, Hkv, Lk, Dv), dtype, contiguous
+
+  // ---- CUDA workspaces (csrc/include/sparse_attn/cuda/attn_bwd*.cuh) ----
+  // Per (batch * H + head, row) of a (B * H, lq_pad) buffer, lq_pad a multiple of 128, written by the
+  // preprocess: the LSE in log2 units (+inf for a row with no visible key and for the padding rows,
+  // so that every P of such a row is exactly 0) and delta = dO . O - dLSE (0 in the padding).
+  float* __restrict__ lse_log2;
+  float* __restrict__ delta;
+  int lq_pad;
+  // dQ / scale in fp32, zeroed, summed with atomics: (B, H, Lq, D) for the portable kernel; for the
+  // Hopper one, (B, H, lq_pad / 64, D_pad / 64) tiles of 64 x 64 in wgmma fragment order (ops_cuda.cpp
+  // undoes it).
+  float* __restrict__ dq_accum;
+  float* __restrict__ dk_accum;  // (B, Hkv, Lk, D) fp32, zeroed (CUDA-core kernel): dK, atomics
+  float* __restrict__ dv_accum;  // (B, Hkv, Lk, Dv) fp32, zeroed (CUDA-core kernel): dV, atomics
+  // Block-sparse: the mask transposed, per (batch, head, key block) the query blocks that visit
+  // it, ascending, and their partial-mask rows (-1 full); built on the GPU (build_q_lists).
+  const int32_t* __restrict__ q_num_blocks;  // (Bm, Hm, nKb)
+  const int32_t* __restrict__ q_indices;     // (Bm, Hm, nKb, nQb)
+  const int32_t* __restrict__ q_partial;     // (Bm, Hm, nKb, nQb)
+  int64_t qt_batch_stride, qt_head_stride;   // strides of q_num_blocks over (Bm, Hm), 0 where broadcast
 };
 
 // Parameters of top-k selection (exact per-head scores, or the lightning indexer).
@@ -114,8 +136,8 @@ struct TopkSelectParams {
   int n_splits;  // CTAs per tile of the scoring launch, each a contiguous share of the key tiles
   bool prescored;
   int b, h, h_kv, lq, lk, d, topk;
-  int h_sel;     // heads with their own index set: H (exact) or 1 (indexer)
-  int h_per_kv;  // H / Hkv
+  int h_sel;      // heads with their own index set: H (exact) or 1 (indexer)
+  int h_per_kv;   // H / Hkv
   int kv_offset;  // Lk - Lq
   bool causal;
   bool indexer;

@@ -62,8 +62,7 @@ SA_HD bool tile_of_cta(const AttnFwdParams& p, Index cta, int& bh, int& m_block)
       // B * H = 32, L = 32k, D = 128). The next group's heavy tiles start while the current
       // group's light ones finish, so only the last group's lightest tiles form the tail.
       const Index bhs = Index(p.b) * p.h;
-      const int64_t kv_head_bytes =
-          int64_t(p.lk) * (p.d + p.dv) * (p.dtype == ScalarKind::kFloat32 ? 4 : 2);
+      const int64_t kv_head_bytes = int64_t(p.lk) * (p.d + p.dv) * (p.dtype == ScalarKind::kFloat32 ? 4 : 2);
       const int64_t kv_heads = max64(1, kL2GroupBytes / max64(1, kv_head_bytes));
       const Index group = Index(min64(int64_t(bhs), kv_heads * p.h_per_kv));
       const Index g = cta / (group * num_m), r = cta - g * group * num_m;
@@ -245,6 +244,145 @@ struct BlockSparseTiles {
     if constexpr (kWidth == 64) bits |= uint64_t(uint32_t(w[1])) << 32;
     return bits & in_range;
   }
+};
+
+// ---- The transposed iterators of the backward: for one key tile of one (batch, kv head), the
+// query tiles that see it, over every query head of the kv head's group (GQA reduced in place).
+// A cursor Pos walks them: start() gives the first, advance() the next (false at the end);
+// needs_mask(pos) says whether any element of the (query tile, key tile) pair may be hidden and
+// visible(pos, m, n) whether key n is visible from query m (the forward's semantics). Query rows
+// past Lq are never masked here: the backward gives them an LSE of +inf, so their P is 0.
+
+struct QTilePos {
+  int hl;           // query head within the group: h = hk * h_per_kv + hl
+  int m_block;      // query tile
+  int pid;          // block-sparse: partial mask row, -1 full
+  int qrow0;        // block-sparse: first query row of the mask block
+  int e, s, count;  // block-sparse: list entry, sub tile, entries of head hl
+};
+
+template <int kBlockM, int kBlockN>
+struct WindowQTiles {
+  int heads, lk, left, right, off, n0;
+  int m_begin, m_end;  // query tiles [m_begin, m_end) of every head
+
+  SA_HD WindowQTiles(const AttnBwdParams& bp, int /*bidb*/, int /*hk*/, int n_block)
+      : heads(bp.fwd.h_per_kv),
+        lk(bp.fwd.lk),
+        left(bp.fwd.window_left),
+        right(bp.fwd.window_right),
+        off(bp.fwd.kv_offset),
+        n0(n_block * kBlockN) {
+    const int64_t n1 = min64(lk, int64_t(n0) + kBlockN);  // keys [n0, n1)
+    const int64_t lo = right < 0 ? 0 : max64(0, int64_t(n0) - off - right);
+    const int64_t hi = left < 0 ? bp.fwd.lq : min64(bp.fwd.lq, n1 - 1 - off + left + 1);
+    if (hi <= lo) {
+      m_begin = m_end = 0;
+    } else {
+      m_begin = int(lo / kBlockM);
+      m_end = int((hi + kBlockM - 1) / kBlockM);
+    }
+  }
+
+  SA_HD bool start(QTilePos& s) const {
+    s = QTilePos{0, m_begin, -1, 0, 0, 0, 0};
+    return m_end > m_begin && heads > 0;
+  }
+  SA_HD bool advance(QTilePos& s) const {
+    if (++s.m_block < m_end) return true;
+    s.m_block = m_begin;
+    return ++s.hl < heads;
+  }
+  SA_HD bool needs_mask(const QTilePos& s) const {
+    const int64_t m0 = int64_t(s.m_block) * kBlockM, m1 = m0 + kBlockM;
+    return int64_t(n0) + kBlockN > lk || (left >= 0 && n0 < m1 - 1 + off - left) ||
+           (right >= 0 && int64_t(n0) + kBlockN - 1 > m0 + off + right);
+  }
+  SA_HD bool visible(const QTilePos&, int m, int n) const {
+    return n < lk && window_visible(m, n, off, left, right);
+  }
+};
+
+// Block-sparse: the transposed lists (AttnBwdParams::q_num_blocks, ...); the key tile lies inside
+// one key block, each listed query block is q_block / kBlockM query tiles.
+template <int kBlockM, int kBlockN>
+struct BlockSparseQTiles {
+  const int32_t* cnt;   // q_num_blocks of head 0 of the group, this key block
+  const int32_t* idx;   // its list
+  const int32_t* part;  // its partial mask rows
+  const int32_t* masks;
+  int64_t head_stride;  // of cnt over the query heads
+  int heads, nqb, sub, q_block, kv_block, words, lk, n0, kb;
+
+  SA_HD BlockSparseQTiles(const AttnBwdParams& bp, int bidb, int hk, int n_block)
+      : masks(bp.fwd.partial_masks),
+        head_stride(bp.qt_head_stride),
+        heads(bp.fwd.h_per_kv),
+        nqb(bp.fwd.num_q_blocks),
+        sub(bp.fwd.q_block / kBlockM),
+        q_block(bp.fwd.q_block),
+        kv_block(bp.fwd.kv_block),
+        words(bp.fwd.kv_block / 32),
+        lk(bp.fwd.lk),
+        n0(n_block * kBlockN),
+        kb(n_block * kBlockN / bp.fwd.kv_block) {
+    const int64_t row = int64_t(bidb) * bp.qt_batch_stride + int64_t(hk) * bp.fwd.h_per_kv * head_stride + kb;
+    cnt = bp.q_num_blocks + row;
+    idx = bp.q_indices + row * nqb;
+    part = bp.q_partial + row * nqb;
+  }
+
+  SA_HD int count_of(int hl) const {
+    const int c = cnt[hl * head_stride];
+    return c < 0 ? 0 : (c > nqb ? nqb : c);
+  }
+  SA_HD void fill(QTilePos& s) const {
+    const int64_t r = int64_t(s.hl) * head_stride * nqb + s.e;
+    const int qb = idx[r];
+    s.pid = part[r];
+    s.qrow0 = qb * q_block;
+    s.m_block = qb * sub + s.s;
+  }
+  SA_HD bool first_head_from(QTilePos& s) const {
+    for (; s.hl < heads; ++s.hl) {
+      s.count = count_of(s.hl);
+      if (s.count > 0) {
+        fill(s);
+        return true;
+      }
+    }
+    return false;
+  }
+  SA_HD bool start(QTilePos& s) const {
+    s = QTilePos{0, 0, -1, 0, 0, 0, 0};
+    return first_head_from(s);
+  }
+  SA_HD bool advance(QTilePos& s) const {
+    if (++s.s < sub || (s.s = 0, ++s.e < s.count)) {
+      fill(s);
+      return true;
+    }
+    s.e = 0;
+    ++s.hl;
+    return first_head_from(s);
+  }
+  SA_HD bool needs_mask(const QTilePos& s) const { return s.pid >= 0 || int64_t(n0) + kBlockN > lk; }
+  SA_HD bool visible(const QTilePos& s, int m, int n) const {
+    if (n >= lk) return false;
+    if (s.pid < 0) return true;
+    const int c = n - kb * kv_block;
+    const int32_t w = masks[(int64_t(s.pid) * q_block + (m - s.qrow0)) * words + c / 32];
+    return (uint32_t(w) >> (c % 32)) & 1u;
+  }
+};
+
+template <Variant V, int kBlockM, int kBlockN>
+struct QTilesOf {
+  using type = BlockSparseQTiles<kBlockM, kBlockN>;
+};
+template <int kBlockM, int kBlockN>
+struct QTilesOf<Variant::kWindow, kBlockM, kBlockN> {
+  using type = WindowQTiles<kBlockM, kBlockN>;
 };
 
 // The iterator of a kernel variant (plan.h). kTileIsBlock: block-sparse masks whose blocks are

@@ -18,7 +18,9 @@ namespace sparse_attn::cuda {
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   SA_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
-__device__ __forceinline__ void mbar_init_fence() { SA_SM90_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_init_fence() {
+  SA_SM90_ASM("fence.mbarrier_init.release.cluster;\n" :: : "memory");
+}
 // Arrive and add `bytes` to the transaction count the current phase waits for.
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   SA_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
@@ -33,10 +35,8 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   SA_SM90_ASM(
       "{\n.reg .pred p;\n"
       "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
+      "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar),
+      "r"(parity) : "memory");
   return done != 0;
 }
 // Blocks until the phase of parity `parity` has completed.
@@ -52,24 +52,46 @@ __device__ __forceinline__ void mbar_wait_idle(uint32_t bar, uint32_t parity) {
 
 // Tile of a 4-d tensor map at coordinates (c0 innermost .. c3) into shared memory; completion
 // is signalled on `bar` as transaction bytes (the whole box, out-of-range elements zero-filled).
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1, int c2,
-                                            int c3) {
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1,
+                                            int c2, int c3) {
   SA_SM90_ASM(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, "
+      "%6}], "
       "[%2];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-      : "memory");
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// Contiguous bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
+// to shared memory, completion signalled on `bar` as transaction bytes.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  SA_SM90_ASM(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// Adds `bytes` (a multiple of 16) of fp32 from shared memory to global memory element-wise
+// (atomically per element), as a bulk group of this thread.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  SA_SM90_ASM("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+              "r"(src), "r"(bytes) : "memory");
+}
+// Four 8x8 16-bit matrices from registers (mma.sync's fragment layout: lane l holds row l / 4,
+// columns 2 (l % 4) and 2 (l % 4) + 1 of each) to shared memory transposed: row i of matrix j
+// in memory is column i of the fragment, at the address lane 8 j + i gives.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  SA_SM90_ASM("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+              "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 // Bulk tensor store of a box from shared memory (written by this CTA, made visible to the async
 // proxy by fence_proxy_async and a barrier) to global memory; out-of-range elements are not
 // written. Completion is tracked per issuing thread in bulk groups.
 __device__ __forceinline__ void tma_store_4d(const void* tmap, uint32_t src, int c0, int c1, int c2, int c3) {
   SA_SM90_ASM("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
                   reinterpret_cast<uint64_t>(tmap)),
-              "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-              : "memory");
+              "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
-__device__ __forceinline__ void bulk_commit_group() { SA_SM90_ASM("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_commit_group() {
+  SA_SM90_ASM("cp.async.bulk.commit_group;\n" :: : "memory");
+}
 // This thread's bulk groups: all but the newest N have finished reading their shared memory
 // (kRead) or finished entirely.
 template <int N, bool kRead>
@@ -85,10 +107,14 @@ __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
 
 // Shared memory written by ordinary stores, next read or overwritten by the async proxy
 // (wgmma, TMA), or the reverse.
-__device__ __forceinline__ void fence_proxy_async() { SA_SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() {
+  SA_SM90_ASM("fence.proxy.async.shared::cta;\n" :: : "memory");
+}
 
-__device__ __forceinline__ void wgmma_fence() { SA_SM90_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { SA_SM90_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { SA_SM90_ASM("wgmma.fence.sync.aligned;\n" :: : "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  SA_SM90_ASM("wgmma.commit_group.sync.aligned;\n" :: : "memory");
+}
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   SA_SM90_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");

@@ -1,0 +1,203 @@
+"""Backward passes on the GPU against SDPA (cuDNN, FlashAttention-2), FlexAttention and our own
+forward, each table measured in one run (bf16, backward time only).
+
+Backward time: one forward builds the graph, then ``torch.autograd.grad(out, (q, k, v), dO,
+retain_graph=True)`` is timed (median, triton's do_bench). TFLOP/s counts 2.5x the forward's
+FLOPs (4·D per computed pair): the backward's five matrix products against the forward's two.
+Ratios (`vs cudnn`, `vs flex`, ...) are the other's time over ours from the same round.
+
+    python benchmarks/bench_backward.py                       # every table at the default sizes
+    python benchmarks/bench_backward.py --tables flash --lengths 4096 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+import sparse_attn
+from sparse_attn import BlockSparseMask
+from sparse_attn.bench import flex_fn, ratio_median, require_cuda, run_sdpa, sdpa_backends, time_rounds
+
+
+def backward_fn(forward, q, k, v):
+    """A callable timing only the backward of forward(q, k, v) (graph built once)."""
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out = forward(q, k, v)
+    g = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+
+
+def portable(fn):
+    """fn() with the plan held to the portable (mma.sync) kernels."""
+    with sparse_attn._plan.overrides(portable_only=True):
+        return fn()
+
+
+def qkv(b, h, hkv, length, d, dev, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda heads: torch.randn(b, length, heads, d, generator=gen).to(torch.bfloat16).to(dev).transpose(1, 2)  # noqa: E731
+    return mk(h), mk(hkv), mk(hkv)
+
+
+def tflops_bwd(pairs: float, d: int, ms: float) -> float:
+    return 2.5 * 4.0 * pairs * d / (ms * 1e-3) / 1e12
+
+
+def flash_table(args, dev) -> list[str]:
+    flex = flex_fn(dev)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    backends = sdpa_backends(dev)
+    lines = [
+        "| D | L | causal | ours ms | ours TFLOP/s | portable TFLOP/s | cudnn TFLOP/s | fa2 TFLOP/s | flex TFLOP/s "
+        "| vs cudnn | vs fa2 | vs flex |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    worst = {}
+    for d in args.head_dims:
+        h = args.heads * 128 // d if args.scale_heads else args.heads
+        for length in args.lengths:
+            for causal in (False, True):
+                q, k, v = qkv(args.batch, h, h, length, d, dev, seed=length)
+                pairs = args.batch * h * length * length * (0.5 if causal else 1.0)
+                fns = {
+                    "ours": backward_fn(
+                        lambda a, b, c, causal=causal: sparse_attn.flash_attention(a, b, c, causal=causal), q, k, v
+                    ),
+                    "cudnn": backward_fn(
+                        lambda a, b, c, causal=causal: run_sdpa(a, b, c, backends["sdpa-cudnn"], causal=causal), q, k, v
+                    ),
+                    "fa2": backward_fn(
+                        lambda a, b, c, causal=causal: run_sdpa(a, b, c, backends["sdpa-flash"], causal=causal), q, k, v
+                    ),
+                }
+                ours_portable = backward_fn(
+                    lambda a, b, c, causal=causal: sparse_attn.flash_attention(a, b, c, causal=causal), q, k, v
+                )
+                fns["portable"] = lambda f=ours_portable: portable(f)
+                if not args.no_flex:
+                    bm = (
+                        create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, length, length, device=dev)
+                        if causal
+                        else None
+                    )
+                    fns["flex"] = backward_fn(lambda a, b, c, bm=bm: flex(a, b, c, block_mask=bm), q, k, v)
+                t = time_rounds(fns, dev, rounds=args.rounds)
+                ms = {n: sorted(x)[len(x) // 2] for n, x in t.items()}
+                r = {n: ratio_median(t[n], t["ours"]) for n in fns if n not in ("ours", "portable")}
+                tf = {n: tflops_bwd(pairs, d, m) for n, m in ms.items()}
+                lines.append(
+                    f"| {d} | {length} | {causal} | {ms['ours']:.3f} | {tf['ours']:.0f} | {tf['portable']:.0f} | "
+                    f"{tf['cudnn']:.0f} | "
+                    f"{tf['fa2']:.0f} | {tf.get('flex', float('nan')):.0f} | {r['cudnn']:.2f} | {r['fa2']:.2f} | "
+                    f"{r.get('flex', float('nan')):.2f} |"
+                )
+                if length >= 4096:
+                    for n, x in r.items():
+                        worst[n] = min(worst.get(n, math.inf), x)
+                print(lines[-1], flush=True)
+    lines.append("")
+    lines.append("worst ratio at L >= 4k (their time / ours): " + ", ".join(f"{n} {x:.2f}" for n, x in worst.items()))
+    return lines
+
+
+def block_sparse_table(args, dev) -> list[str]:
+    flex = flex_fn(dev)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    length, d, h = args.sparse_length, 128, args.heads
+    nb = length // 128
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = qkv(args.batch, h, h, length, d, dev, seed=1)
+    mods = {}
+    for pct in (5, 10, 25, 50):
+        blocks = (torch.rand(nb, nb, generator=gen) < pct / 100) | torch.eye(nb, dtype=torch.bool)
+        blocks = blocks.to(dev)
+        mods[f"random {pct}%"] = lambda b_, h_, qi, kv, blocks=blocks: blocks[qi // 128, kv // 128]
+    mods["window 1024"] = lambda b_, h_, qi, kv: (qi - kv).abs() < 1024
+    mods["window 1024 causal"] = lambda b_, h_, qi, kv: (qi >= kv) & (qi - kv < 1024)
+    mods["longformer w=512 g=64"] = lambda b_, h_, qi, kv: ((qi - kv).abs() < 512) | (qi < 64) | (kv < 64)
+    dense_bwd = backward_fn(lambda a, b, c: sparse_attn.flash_attention(a, b, c), q, k, v)
+    lines = [
+        f"B={args.batch} H={h} L={length} D={d} bf16",
+        "",
+        "| pattern | density | ours ms | flex ms | vs flex | ours / (density x our dense) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, mod in mods.items():
+        fbm = create_block_mask(mod, None, None, length, length, device=dev)
+        mask = BlockSparseMask.from_flex(fbm)
+        density = float(mask.to_dense().float().mean()) if length <= 16384 else float("nan")
+        fns = {
+            "ours": backward_fn(lambda a, b, c, mask=mask: sparse_attn.block_sparse_attention(a, b, c, mask), q, k, v),
+            "flex": backward_fn(lambda a, b, c, fbm=fbm: flex(a, b, c, block_mask=fbm), q, k, v),
+            "dense": dense_bwd,
+        }
+        t = time_rounds(fns, dev, rounds=args.rounds)
+        ms = {n: sorted(x)[len(x) // 2] for n, x in t.items()}
+        prop = ms["ours"] / (density * ms["dense"])
+        vs_flex = ratio_median(t["flex"], t["ours"])
+        lines.append(f"| {name} | {density:.3f} | {ms['ours']:.3f} | {ms['flex']:.3f} | {vs_flex:.2f} | {prop:.2f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def topk_table(args, dev) -> list[str]:
+    """Backward of gathered attention given the selection, against its forward (MQA)."""
+    length, kk, h, d = args.topk_length, 2048, 16, 128
+    q, k, v = qkv(1, h, 1, length, d, dev, seed=2)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    # A causal random selection of k keys per query (what the selection kernels emit: ascending, -1 padded).
+    rows = torch.arange(length, device=dev)[:, None]
+    idx = (torch.rand(1, 1, length, kk, generator=gen, device=dev) * (rows + 1)).long()
+    idx = torch.where(rows < kk, torch.arange(kk, device=dev).expand(length, kk), idx)
+    idx = torch.where(idx <= rows, idx, -1).sort(-1).values.int()
+    fwd = lambda: torch.ops.sparse_attn.gather_fwd(q, k, v, idx)  # noqa: E731
+    out, lse = fwd()
+    g = torch.randn_like(out)
+    bwd = lambda: torch.ops.sparse_attn.gather_bwd(g, q, k, v, out, lse, None, idx)  # noqa: E731
+    t = time_rounds({"fwd": fwd, "bwd": bwd}, dev, rounds=args.rounds)
+    f, b = (sorted(t[n])[len(t[n]) // 2] for n in ("fwd", "bwd"))
+    return [
+        f"B=1 H={h} Hkv=1 L={length} k={kk} D={d} bf16",
+        "",
+        "| forward ms | backward ms | backward / forward |",
+        "|---|---|---|",
+        f"| {f:.3f} | {b:.3f} | {ratio_median(t['bwd'], t['fwd']):.2f} |",
+    ]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tables", nargs="+", default=["flash", "block_sparse", "topk"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--scale-heads", action="store_true", help="H = heads * 128 / D (constant model width)")
+    parser.add_argument("--sparse-length", type=int, default=16384)
+    parser.add_argument("--topk-length", type=int, default=65536)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-flex", action="store_true")
+    args = parser.parse_args(argv)
+    if not require_cuda("bench_backward"):
+        return 0
+    dev = torch.device("cuda")
+    print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
+    out = []
+    if "flash" in args.tables:
+        out += ["## flash backward", ""] + flash_table(args, dev) + [""]
+    if "block_sparse" in args.tables:
+        out += ["## block-sparse backward", ""] + block_sparse_table(args, dev) + [""]
+    if "topk" in args.tables:
+        out += ["## top-k backward", ""] + topk_table(args, dev) + [""]
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

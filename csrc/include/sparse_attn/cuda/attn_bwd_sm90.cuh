@@ -1,0 +1,323 @@
+// The backward of flash and block-sparse attention on Hopper (sm_90a): the algorithm of the
+// tensor-core kernel (attn_bwd.cuh) on wgmma, TMA and mbarriers.
+//
+// Per CTA: 128 keys of one (batch, kv head), walking the query tiles that see them (QTilesOf,
+// tile_iter.h) over the group's query heads. Warpgroup 0 is the producer: one thread loads K and V
+// once, then Q, dO (TMA) and the rows' statistics (bulk copies) of each query tile into a
+// two-stage ring ("full" / "empty" mbarriers). Warpgroups 1 and 2 are consumers, 64 keys each, in
+// the transposed layout (rows are keys):
+//   S^T = K Q^T and dP^T = V dO^T  (wgmma, both operands K-major in shared memory),
+//   P^T, dS^T in registers; dV += P^T dO and dK += dS^T Q (wgmma with A from registers),
+//   dS written transposed (stmatrix) as the K-major A of dQ = dS K (B = K, MN-major),
+// dQ staged in shared memory and added to the fp32 accumulator by a TMA bulk reduction. At head
+// dim 128 each consumer computes 64 of dQ's columns over all 128 keys; at 64, all columns over its
+// own 64 keys (the two reductions then add into one tile).
+//
+// Shared memory is 128-byte swizzled as in the forward (flash_fwd_sm90.cuh): a tile of R rows and
+// D columns is D / 64 column blocks of R rows x 128 bytes, each 1024-byte aligned.
+#pragma once
+
+#include <cuda.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "sparse_attn/cuda/attn_bwd.cuh"
+#include "sparse_attn/cuda/ptx_sm90.cuh"
+#include "sparse_attn/cuda/tma.h"
+#include "sparse_attn/cuda/wgmma.cuh"
+
+namespace sparse_attn::cuda {
+
+struct AttnBwdSm90Args {
+  AttnBwdParams bp;
+  CUtensorMap tma_q, tma_do, tma_k, tma_v;  // Q and dO: boxes of kBlockM rows; K and V: kBlockN
+};
+
+template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant>
+struct AttnBwdSm90Traits {
+  static constexpr ScalarKind kDtype = kDtype_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBwdBlockM;  // query rows per tile
+  static constexpr int kBlockN = 128;         // keys per CTA, 64 per consumer warpgroup
+  static constexpr int kStages = 2;
+  static constexpr int kNThreads = 384;
+  static constexpr int kColBlocks = kHeadDim / 64;
+  static constexpr int kQColBytes = kBlockM * 128;
+  static constexpr int kKColBytes = kBlockN * 128;
+  static constexpr int kQBytes = kColBlocks * kQColBytes;
+  static constexpr int kKBytes = kColBlocks * kKColBytes;
+  static constexpr int kStatBytes = 2 * kBlockM * 4;  // lse_log2, then delta
+  static constexpr int kDsColBytes = kBlockM * 128;   // dS: (query, key), two column blocks of 64 keys
+  static constexpr int kDsBytes = 2 * kDsColBytes;
+  static constexpr int kDqTileBytes =
+      64 * 64 * 4;  // a consumer's fp32 dQ tile, staged for the bulk reduction
+  // K, V, the stages' Q and dO, dS, the consumers' dQ tiles, then the stages' statistics.
+  static constexpr int kSmemBytes =
+      1024 + 2 * kKBytes + 2 * kStages * kQBytes + kDsBytes + 2 * kDqTileBytes + kStages * kStatBytes;
+  static_assert(kSmemBytes + 64 <= 227 * 1024);
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(128 * kProducerRegs + 2 * 128 * kConsumerRegs <= kNThreads * ((65536 / kNThreads) & ~7));
+  using QTiles = typename QTilesOf<kVariant, kBlockM, kBlockN>::type;
+  static_assert(kHeadDim == 64 || kHeadDim == 128);
+};
+
+template <typename Tr>
+__global__ void __launch_bounds__(Tr::kNThreads, 1)
+    attn_bwd_sm90_kernel(__grid_constant__ const AttnBwdSm90Args args) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages, kHeadDim = Tr::kHeadDim;
+  constexpr int kDTiles = kHeadDim / 8;
+  const AttnBwdParams& bp = args.bp;
+  const AttnFwdParams& p = bp.fwd;
+  extern __shared__ char smem_raw[];
+  const uint32_t sK = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sV = sK + Tr::kKBytes;
+  const uint32_t sQ = sV + Tr::kKBytes;             // kStages buffers
+  const uint32_t sdO = sQ + kStages * Tr::kQBytes;  // kStages buffers
+  const uint32_t sDs = sdO + kStages * Tr::kQBytes;
+  const uint32_t sDq = sDs + Tr::kDsBytes;            // one dQ tile per consumer
+  const uint32_t sStat = sDq + 2 * Tr::kDqTileBytes;  // kStages x (lse_log2[64], delta[64])
+  const float* stat_ptr = reinterpret_cast<const float*>(smem_raw + (sStat - smem_u32(smem_raw)));
+  __shared__ alignas(8) uint64_t barriers[1 + 2 * kStages];
+  const uint32_t bar_kv = smem_u32(barriers), bar_full = bar_kv + 8, bar_empty = bar_full + 8 * kStages;
+
+  const int n_block = blockIdx.x, b = blockIdx.y / p.h_kv, hk = blockIdx.y % p.h_kv;
+  const int n0 = n_block * kBlockN;
+  const typename Tr::QTiles tiles(bp, b, hk, n_block);
+  QTilePos first;
+  const bool any = tiles.start(first);
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar_kv, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full + 8 * s, 1);
+      mbar_init(bar_empty + 8 * s, 8);  // one arrival per consumer warp
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // ---------------- producer ----------------
+    setmaxnreg_dec<Tr::kProducerRegs>();
+    if (threadIdx.x != 0 || !any) return;
+    mbar_expect_tx(bar_kv, 2 * Tr::kKBytes);
+#pragma unroll
+    for (int c = 0; c < Tr::kColBlocks; ++c) {
+      tma_load_4d(sK + c * Tr::kKColBytes, &args.tma_k, bar_kv, c * 64, n0, hk, b);
+      tma_load_4d(sV + c * Tr::kKColBytes, &args.tma_v, bar_kv, c * 64, n0, hk, b);
+    }
+    QTilePos cur = first;
+    for (int n = 0;; ++n) {
+      const int s = n % kStages;
+      mbar_wait(bar_empty + 8 * s, ((n / kStages) & 1) ^ 1);
+      mbar_expect_tx(bar_full + 8 * s, 2 * Tr::kQBytes + Tr::kStatBytes);
+      const int h = hk * p.h_per_kv + cur.hl, m0 = cur.m_block * kBlockM;
+#pragma unroll
+      for (int c = 0; c < Tr::kColBlocks; ++c) {
+        tma_load_4d(sQ + s * Tr::kQBytes + c * Tr::kQColBytes, &args.tma_q, bar_full + 8 * s, c * 64, m0, h,
+                    b);
+        tma_load_4d(sdO + s * Tr::kQBytes + c * Tr::kQColBytes, &args.tma_do, bar_full + 8 * s, c * 64, m0, h,
+                    b);
+      }
+      const int64_t row = (int64_t(b) * p.h + h) * bp.lq_pad + m0;
+      bulk_load(sStat + s * Tr::kStatBytes, bp.lse_log2 + row, kBlockM * 4, bar_full + 8 * s);
+      bulk_load(sStat + s * Tr::kStatBytes + kBlockM * 4, bp.delta + row, kBlockM * 4, bar_full + 8 * s);
+      if (!tiles.advance(cur)) break;
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  setmaxnreg_inc<Tr::kConsumerRegs>();
+  const int wg = threadIdx.x / 128 - 1;  // keys n0 + 64 wg .. n0 + 64 wg + 63
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int key_row = n0 + wg * 64 + warp * 16 + g;  // this thread's keys: key_row, key_row + 8
+
+  float dk[kDTiles * 4], dv[kDTiles * 4];
+#pragma unroll
+  for (int i = 0; i < kDTiles * 4; ++i) dk[i] = dv[i] = 0.f;
+
+  // S^T = K Q^T and dP^T = V dO^T of the query tile in stage s, over this warpgroup's 64 keys
+  // (K = head dim, 16 per wgmma), committed as one group.
+  float st[1][8][4], dpt[1][8][4];
+  auto& st_flat = reinterpret_cast<float (&)[32]>(st);
+  auto& dpt_flat = reinterpret_cast<float (&)[32]>(dpt);
+  auto issue_sdp = [&](int n) {
+    const int s = n % kStages;
+    const uint32_t q_s = sQ + s * Tr::kQBytes, do_s = sdO + s * Tr::kQBytes;
+    mbar_wait(bar_full + 8 * s, (n / kStages) & 1);
+    wgmma_fence();
+    static_for<kHeadDim / 16>([&](auto kk_) {
+      constexpr int kk = decltype(kk_)::value;
+      constexpr uint32_t off = (kk % 4) * 32;
+      const uint64_t dkd = sw128_desc(sK + (kk / 4) * Tr::kKColBytes + wg * 64 * 128 + off, 16, 1024);
+      const uint64_t dq = sw128_desc(q_s + (kk / 4) * Tr::kQColBytes + off, 16, 1024);
+      Wgmma<Tr::kDtype, 64>::ss(st_flat, dkd, dq, kk > 0 ? 1 : 0);
+    });
+    static_for<kHeadDim / 16>([&](auto kk_) {
+      constexpr int kk = decltype(kk_)::value;
+      constexpr uint32_t off = (kk % 4) * 32;
+      const uint64_t dvd = sw128_desc(sV + (kk / 4) * Tr::kKColBytes + wg * 64 * 128 + off, 16, 1024);
+      const uint64_t dod = sw128_desc(do_s + (kk / 4) * Tr::kQColBytes + off, 16, 1024);
+      Wgmma<Tr::kDtype, 64>::ss(dpt_flat, dvd, dod, kk > 0 ? 1 : 0);
+    });
+    wgmma_commit();
+  };
+
+  QTilePos cur = first;
+  bool have = any;
+  if (any) mbar_wait(bar_kv, 0);
+  for (int n = 0; have; ++n) {
+    const int s = n % kStages;
+    const int h = hk * p.h_per_kv + cur.hl, m0 = cur.m_block * kBlockM;
+    const uint32_t q_s = sQ + s * Tr::kQBytes, do_s = sdO + s * Tr::kQBytes;
+    issue_sdp(n);
+    wgmma_wait<0>();
+    fence_regs(st_flat);
+    fence_regs(dpt_flat);
+
+    // P^T and dS^T (masked elements and keys past Lk: 0).
+    const float* lse_s = stat_ptr + s * (Tr::kStatBytes / 4);
+    const float* delta_s = lse_s + kBlockM;
+    const bool masked = tiles.needs_mask(cur);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t);
+      const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
+        if (masked && !tiles.visible(cur, m0 + j * 8 + 2 * t + e % 2, key_row + 8 * (e / 2))) pe = 0.f;
+        st[0][j][e] = pe;
+        dpt[0][j][e] = pe != 0.f ? pe * (dpt[0][j][e] - (e % 2 ? d2.y : d2.x)) : 0.f;
+      }
+    }
+    uint32_t pa[1][4][4], dsa[1][4][4];
+    pack_p<Tr::kDtype>(st, pa);
+    pack_p<Tr::kDtype>(dpt, dsa);
+
+    // dS (query, key) into shared memory, K-major for dQ: column block wg, 16 keys per warp. Head
+    // dim 128: the other warpgroup's dQ of the previous tile must be done reading it (barrier 1).
+    // At 64 each warpgroup's dQ reads only its own block, which its own wait freed: the two
+    // warpgroups run unsynchronised, one's softmax under the other's GEMMs.
+    if constexpr (kHeadDim == 128) named_barrier(1, 256);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int mi = lane / 8, q = kk * 16 + 8 * (mi / 2) + lane % 8, chunk = 2 * warp + mi % 2;
+      stmatrix_x4_trans(sDs + wg * Tr::kDsColBytes + q * 128 + ((chunk ^ (q & 7)) * 16), dsa[0][kk]);
+    }
+    fence_proxy_async();
+
+    // dV += P^T dO and dK += dS^T Q: K = the 64 queries, B MN-major (16 query rows = 2048 bytes).
+    auto& pa_flat = reinterpret_cast<uint32_t (&)[16]>(pa);
+    auto& dsa_flat = reinterpret_cast<uint32_t (&)[16]>(dsa);
+    wgmma_fence();
+    static_for<4>([&](auto kk_) {
+      constexpr int kk = decltype(kk_)::value;
+      Wgmma<Tr::kDtype, kHeadDim>::rs(dv, pa[0][kk], sw128_desc(do_s + kk * 2048, Tr::kQColBytes, 1024));
+      Wgmma<Tr::kDtype, kHeadDim>::rs(dk, dsa[0][kk], sw128_desc(q_s + kk * 2048, Tr::kQColBytes, 1024));
+    });
+    if constexpr (kHeadDim == 128)
+      named_barrier(2, 256);  // both halves of dS written
+    else
+      named_barrier(1 + wg, 128);  // this warpgroup's half written
+
+    // dQ (64 queries x 64 columns) = dS K: head dim 128, columns 64 wg .. over all 128 keys;
+    // 64, every column over this warpgroup's keys. Same group as dV and dK.
+    float dqa[32];
+    constexpr int kKeySteps = kHeadDim == 128 ? 8 : 4;
+    const int step0 = kHeadDim == 128 ? 0 : 4 * wg, col_block = kHeadDim == 128 ? wg : 0;
+#pragma unroll
+    for (int i = 0; i < kKeySteps; ++i) {
+      const int kk = step0 + i;
+      const uint64_t da = sw128_desc(sDs + (kk / 4) * Tr::kDsColBytes + (kk % 4) * 32, 16, 1024);
+      const uint64_t db = sw128_desc(sK + col_block * Tr::kKColBytes + kk * 2048, Tr::kKColBytes, 1024);
+      Wgmma<Tr::kDtype, 64>::ss_mn(dqa, da, db, i > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dqa);
+    fence_regs(dk);
+    fence_regs(dv);
+    fence_regs(pa_flat);
+    fence_regs(dsa_flat);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_empty + 8 * s);  // Q, dO and the statistics of stage s are free
+
+    // dQ to the fp32 accumulator by a bulk reduction (the TMA unit adds it while the warpgroup goes
+    // on): the 64 x 64 tile staged in shared memory in fragment order, float4 j of thread T at
+    // (j * 128 + T) * 16 bytes, which is the accumulator's layout of the tile (AttnBwdParams).
+    const uint32_t stage_dq = sDq + wg * Tr::kDqTileBytes;
+    if (tid == 0) bulk_wait_group<0, true>();  // this warpgroup's previous reduction has read it
+    named_barrier(3 + wg, 128);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(stage_dq + (j * 128 + tid) * 16),
+                   "f"(dqa[4 * j]), "f"(dqa[4 * j + 1]), "f"(dqa[4 * j + 2]), "f"(dqa[4 * j + 3])
+                   : "memory");
+    fence_proxy_async();
+    named_barrier(3 + wg, 128);
+    if (tid == 0) {
+      const int64_t tile =
+          ((int64_t(b) * p.h + h) * (bp.lq_pad / kBlockM) + cur.m_block) * Tr::kColBlocks + col_block;
+      bulk_reduce_add_f32(bp.dq_accum + tile * (Tr::kDqTileBytes / 4), stage_dq, Tr::kDqTileBytes);
+      bulk_commit_group();
+    }
+    have = tiles.advance(cur);
+  }
+  if (tid == 0) bulk_wait_group<0, true>();  // the staging buffer lives until its last reduction read it
+
+  // dK = scale * sum dS^T Q, dV = sum P^T dO.
+  using Element = typename ElementOf<Tr::kDtype>::type;
+  Element* dkp = static_cast<Element*>(bp.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * p.d;
+  Element* dvp = static_cast<Element*>(bp.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * p.dv;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key_row + 8 * half;
+    if (key >= p.lk) continue;
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      const int col = j * 8 + 2 * t;
+      if (col >= p.d) continue;
+      *reinterpret_cast<uint32_t*>(dkp + int64_t(key) * p.d + col) =
+          pack2<Tr::kDtype>(dk[4 * j + 2 * half] * p.scale, dk[4 * j + 2 * half + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvp + int64_t(key) * p.dv + col) =
+          pack2<Tr::kDtype>(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
+    }
+  }
+#else
+  __trap();  // not built for sm_90a: the launcher never gets here
+#endif
+}
+
+}  // namespace sparse_attn::cuda
+
+namespace sparse_attn {
+
+template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
+cudaError_t run_attn_bwd_sm90_(const AttnBwdParams& params, cudaStream_t stream) {
+  using Tr = cuda::AttnBwdSm90Traits<kDtype, kHeadDim, kVariant>;
+  const AttnFwdParams& p = params.fwd;
+  if (kVariant == Variant::kBlockSparse && p.kv_block != Tr::kBlockN) return cudaErrorInvalidValue;
+  const dim3 grid((p.lk + Tr::kBlockN - 1) / Tr::kBlockN, p.b * p.h_kv);
+  if (grid.x == 0 || grid.y == 0) return cudaSuccess;
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  cuda::AttnBwdSm90Args args;
+  args.bp = params;
+  SA_CUDA_TRY(encode_bhld_tma(&args.tma_q, p.q, 2, p.d, p.lq, p.h, p.b, p.q_row_stride, p.q_head_stride,
+                              p.q_batch_stride, Tr::kBlockM));
+  SA_CUDA_TRY(encode_bhld_tma(&args.tma_do, params.dout, 2, p.dv, p.lq, p.h, p.b, params.do_row_stride,
+                              params.do_head_stride, params.do_batch_stride, Tr::kBlockM));
+  SA_CUDA_TRY(encode_bhld_tma(&args.tma_k, p.k, 2, p.d, p.lk, p.h_kv, p.b, p.k_row_stride, p.k_head_stride,
+                              p.k_batch_stride, Tr::kBlockN));
+  SA_CUDA_TRY(encode_bhld_tma(&args.tma_v, p.v, 2, p.dv, p.lk, p.h_kv, p.b, p.v_row_stride, p.v_head_stride,
+                              p.v_batch_stride, Tr::kBlockN));
+  auto kernel = cuda::attn_bwd_sm90_kernel<Tr>;
+  SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
+  kernel<<<grid, Tr::kNThreads, Tr::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace sparse_attn

@@ -1,0 +1,260 @@
+// The tensor-core backward of attention over gathered keys (top-k given its selection), the
+// forward's layout (gather_mma.cuh): one warp per (batch, query token, group of query heads), the
+// group's heads the 16 rows of the mma tile, the listed keys visited 32 at a time through a
+// two-stage cp.async ring. Per stage: S = Q K^T, dP = dO V^T, P and dS as in attn_bwd.cuh, then
+// dQ += dS K in registers (the token's dQ is complete in its warp), and dK = dS^T Q, dV = P^T dO
+// for the 32 listed keys, reduced over the group's heads by the mma before one float2 atomic per
+// pair of elements into the fp32 accumulators (P and dS go through shared memory transposed).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "sparse_attn/cuda/attn_bwd.cuh"
+#include "sparse_attn/cuda/attn_bwd.h"
+#include "sparse_attn/cuda/gather_mma.cuh"
+
+namespace sparse_attn::cuda {
+
+template <int kHeadDim>
+struct GatherBwdLayout {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kQBytes = kGatherMmaRows * kHeadDim * 2;
+  static constexpr int kKVBytes = kGatherMmaKeys * kHeadDim * 2;
+  static constexpr int kPBytes = kGatherMmaKeys * kGatherMmaRows * 2;  // (keys, heads), 32-byte rows
+  // Q, dO, (K, V) per stage, P^T, dS^T.
+  static constexpr int kWarpBytes = 2 * kQBytes + kGatherMmaStages * 2 * kKVBytes + 2 * kPBytes;
+  static constexpr int kSmemBytes = kGatherMmaWarps * kWarpBytes;
+};
+
+template <ScalarKind kDtype, int kHeadDim>
+__global__ void __launch_bounds__(kGatherMmaWarps * 32)
+    gather_bwd_mma_kernel(__grid_constant__ const AttnBwdParams bp, const int group) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  using Element = typename ElementOf<kDtype>::type;
+  using L = GatherBwdLayout<kHeadDim>;
+  constexpr int kChunks = L::kChunks, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
+  constexpr int kKeys = kGatherMmaKeys;
+  constexpr int kRowsPerStep = 32 / kChunks;
+  const AttnFwdParams& p = bp.fwd;
+  extern __shared__ __align__(128) char smem[];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4, r8 = lane % 8;
+  const int groups = p.h / group;
+  const int64_t task = int64_t(blockIdx.x) * kGatherMmaWarps + warp;  // over (B, groups, Lq)
+  if (task >= int64_t(p.b) * groups * p.lq) return;
+  const int i = int(task % p.lq), hg = int((task / p.lq) % groups), b = int(task / (int64_t(p.lq) * groups));
+  const int h0 = hg * group, hk = h0 / p.h_per_kv;
+
+  const uint32_t sQ = smem_u32(smem) + warp * L::kWarpBytes, sdO = sQ + L::kQBytes;
+  auto sK = [&](int stage) { return sdO + L::kQBytes + stage * 2 * L::kKVBytes; };
+  auto sV = [&](int stage) { return sK(stage) + L::kKVBytes; };
+  const uint32_t sP = sdO + L::kQBytes + kGatherMmaStages * 2 * L::kKVBytes, sDs = sP + L::kPBytes;
+  char* pP = smem + (sP - smem_u32(smem));
+  char* pDs = smem + (sDs - smem_u32(smem));
+
+  const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
+                       int64_t(i) * p.idx_row_stride;
+  const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride +
+                     int64_t(i) * p.q_row_stride;
+  const Element* dout = static_cast<const Element*>(bp.dout) + b * bp.do_batch_stride +
+                        h0 * bp.do_head_stride + int64_t(i) * bp.do_row_stride;
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const Element* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  float* dk_acc = bp.dk_accum + (int64_t(b) * p.h_kv + hk) * p.lk * p.d;
+  float* dv_acc = bp.dv_accum + (int64_t(b) * p.h_kv + hk) * p.lk * p.dv;
+
+  const int c = lane % kChunks, r0 = lane / kChunks;
+  const bool col_ok = c * 8 < p.d;
+#pragma unroll
+  for (int s = 0; s < kGatherMmaRows / kRowsPerStep; ++s) {
+    const int r = r0 + s * kRowsPerStep;
+    const bool ok = col_ok && r < group;
+    cp_async_16(sQ + swz<kChunks>(r, c), ok ? q + r * p.q_head_stride + c * 8 : q, ok ? 16 : 0);
+    cp_async_16(sdO + swz<kChunks>(r, c), ok ? dout + r * bp.do_head_stride + c * 8 : dout, ok ? 16 : 0);
+  }
+  cp_async_commit();
+  // This thread's rows g and g + 8: LSE (log2) and delta; rows past the group have P = 0.
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    const int64_t at = (int64_t(b) * p.h + h0 + r) * bp.lq_pad + i;
+    lse2[half] = r < group ? bp.lse_log2[at] : INFINITY;
+    delta[half] = r < group ? bp.delta[at] : 0.f;
+  }
+
+  const int n_stages = (p.topk + kKeys - 1) / kKeys;
+  auto load_index = [&](int chunk) {
+    const int pos = chunk * kKeys + lane;
+    const int j = chunk < n_stages && pos < p.topk ? __ldg(idx + pos) : -1;
+    return j >= 0 && j < p.lk ? j : -1;
+  };
+  auto issue = [&](int stage, int jl) {
+#pragma unroll
+    for (int s = 0; s < kKeys / kRowsPerStep; ++s) {
+      const int u = r0 + s * kRowsPerStep;
+      const int j = __shfl_sync(0xffffffffu, jl, u);
+      const bool ok = col_ok && j >= 0;
+      cp_async_16(sK(stage) + swz<kChunks>(u, c), ok ? k + int64_t(j) * p.k_row_stride + c * 8 : k,
+                  ok ? 16 : 0);
+      cp_async_16(sV(stage) + swz<kChunks>(u, c), ok ? v + int64_t(j) * p.v_row_stride + c * 8 : v,
+                  ok ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+
+  int j_cur = load_index(0), j_next = -1;  // lane u: the key of slot u of the current / next stage
+  if (n_stages > 0) issue(0, j_cur);
+  int j_ahead = load_index(1);
+
+  float acc_dq[kDTiles][4];
+#pragma unroll
+  for (int nd = 0; nd < kDTiles; ++nd)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[nd][e] = 0.f;
+  constexpr uint32_t kRow16 = 16 * kChunks * 16;
+  const uint32_t a_base = swz<kChunks>(((lane / 8) % 2) * 8 + r8, lane / 16);   // A rows (Q, dO)
+  const uint32_t b_base = swz<kChunks>((lane / 16) * 8 + r8, (lane / 8) % 2);   // B rows (K, V)
+  const uint32_t bt_base = swz<kChunks>(((lane / 8) % 2) * 8 + r8, lane / 16);  // B transposed
+
+  for (int it = 0; it < n_stages; ++it) {
+    const int stage = it % kGatherMmaStages;
+    if (it + 1 < n_stages) {
+      j_next = j_ahead;
+      issue((it + 1) % kGatherMmaStages, j_next);
+      j_ahead = load_index(it + 2);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncwarp();
+
+    float s[1][kKeys / 8][4], dp[1][kKeys / 8][4];
+#pragma unroll
+    for (int ni = 0; ni < kKeys / 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[0][ni][e] = dp[0][ni][e] = 0.f;
+    static_for<kKSteps>([&](auto kk_) {
+      constexpr int kk = decltype(kk_)::value;
+      uint32_t qf[4], df[4];  // reloaded per stage: holding them would spill
+      ldmatrix_x4(qf, swz_step<kk>(sQ + a_base));
+      ldmatrix_x4(df, swz_step<kk>(sdO + a_base));
+#pragma unroll
+      for (int np = 0; np < kKeys / 16; ++np) {
+        uint32_t fk[4], fv[4];
+        ldmatrix_x4(fk, swz_step<kk>(sK(stage) + b_base + np * kRow16));
+        ldmatrix_x4(fv, swz_step<kk>(sV(stage) + b_base + np * kRow16));
+        mma_16x8x16<kDtype>(s[0][2 * np], qf, fk[0], fk[1]);
+        mma_16x8x16<kDtype>(s[0][2 * np + 1], qf, fk[2], fk[3]);
+        mma_16x8x16<kDtype>(dp[0][2 * np], df, fv[0], fv[1]);
+        mma_16x8x16<kDtype>(dp[0][2 * np + 1], df, fv[2], fv[3]);
+      }
+    });
+    const unsigned valid = __ballot_sync(0xffffffffu, j_cur >= 0);
+#pragma unroll
+    for (int ni = 0; ni < kKeys / 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int slot = ni * 8 + 2 * t + e % 2;
+        float pe = exp2f(fmaf(s[0][ni][e], p.scale_log2, -lse2[e / 2]));
+        if (!((valid >> slot) & 1u)) pe = 0.f;
+        s[0][ni][e] = pe;
+        dp[0][ni][e] = pe != 0.f ? pe * (dp[0][ni][e] - delta[e / 2]) : 0.f;
+      }
+    uint32_t pa[1][kKeys / 16][4], dsa[1][kKeys / 16][4];
+    pack_p<kDtype>(s, pa);
+    pack_p<kDtype>(dp, dsa);
+    // dQ += dS K.
+    mma_nn<kDtype, kChunks, kKeys / 16, kDTiles, 0>(acc_dq, dsa[0], sK(stage) + bt_base);
+    // P and dS transposed into shared memory: (key, head) rows of 16 heads.
+#pragma unroll
+    for (int ni = 0; ni < kKeys / 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int slot = ni * 8 + 2 * t + e % 2, head = g + 8 * (e / 2);
+        const int at = (slot * kGatherMmaRows + head) * 2;
+        *reinterpret_cast<Element*>(pP + at) = from_f32<Element>(s[0][ni][e]);
+        *reinterpret_cast<Element*>(pDs + at) = from_f32<Element>(dp[0][ni][e]);
+      }
+    __syncwarp();
+    // dK = dS^T Q and dV = P^T dO for the 32 slots (two 16-key m tiles), 32 columns at a time.
+#pragma unroll
+    for (int mt = 0; mt < kKeys / 16; ++mt) {
+      uint32_t ap[1][4], ad[1][4];
+      const uint32_t arow =
+          uint32_t(((mt * 16 + ((lane / 8) % 2) * 8 + r8) * kGatherMmaRows + (lane / 16) * 8) * 2);
+      ldmatrix_x4(ap[0], sP + arow);
+      ldmatrix_x4(ad[0], sDs + arow);
+      int key[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        key[half] = __shfl_sync(0xffffffffu, j_cur, mt * 16 + g + 8 * half);
+      static_for<kDTiles / 4>([&](auto dc_) {
+        constexpr int dc = decltype(dc_)::value;
+        float ak[4][4], av[4][4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ak[x][e] = av[x][e] = 0.f;
+        mma_nn<kDtype, kChunks, 1, 4, 2 * dc>(ak, ad, sQ + bt_base);
+        mma_nn<kDtype, kChunks, 1, 4, 2 * dc>(av, ap, sdO + bt_base);
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int col8 = dc * 32 + x * 8;  // D == Dv, a multiple of 8
+          const bool ok = col8 < p.d;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ak[x][e] *= p.scale;
+          red_add_rows(ok && key[0] >= 0 ? dk_acc + int64_t(key[0]) * p.d + col8 : nullptr,
+                       ok && key[1] >= 0 ? dk_acc + int64_t(key[1]) * p.d + col8 : nullptr, ak[x], t);
+          red_add_rows(ok && key[0] >= 0 ? dv_acc + int64_t(key[0]) * p.dv + col8 : nullptr,
+                       ok && key[1] >= 0 ? dv_acc + int64_t(key[1]) * p.dv + col8 : nullptr, av[x], t);
+        }
+      });
+    }
+    j_cur = j_next;
+    __syncwarp();  // every lane is done with this stage and with P^T, dS^T before they are refilled
+  }
+  cp_async_wait<0>();
+
+  // dQ = scale * sum dS K, rows of the group only.
+  Element* dq = static_cast<Element*>(bp.dq) + ((int64_t(b) * p.h + h0) * p.lq + i) * p.d;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    if (r >= group) continue;
+#pragma unroll
+    for (int nd = 0; nd < kDTiles; ++nd) {
+      const int col = nd * 8 + 2 * t;
+      if (col < p.d)
+        *reinterpret_cast<uint32_t*>(dq + int64_t(r) * p.lq * p.d + col) =
+            pack2<kDtype>(acc_dq[nd][2 * half] * p.scale, acc_dq[nd][2 * half + 1] * p.scale);
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+}  // namespace sparse_attn::cuda
+
+namespace sparse_attn {
+
+template <ScalarKind kDtype, int kHeadDim>
+cudaError_t run_gather_bwd_mma_(const AttnBwdParams& params, int group, cudaStream_t stream) {
+  const AttnFwdParams& p = params.fwd;
+  const int64_t tasks = int64_t(p.b) * (p.h / group) * p.lq;
+  const int64_t blocks = (tasks + cuda::kGatherMmaWarps - 1) / cuda::kGatherMmaWarps;
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
+  constexpr int kSmem = cuda::GatherBwdLayout<kHeadDim>::kSmemBytes;
+  auto kernel = cuda::gather_bwd_mma_kernel<kDtype, kHeadDim>;
+  SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<unsigned(blocks), cuda::kGatherMmaWarps * 32, kSmem, stream>>>(params, group);
+  return cudaGetLastError();
+}
+
+}  // namespace sparse_attn
