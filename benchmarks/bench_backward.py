@@ -37,6 +37,15 @@ def portable(fn):
         return fn()
 
 
+def deterministic(fn):
+    """fn() under torch.use_deterministic_algorithms(True)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        return fn()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def qkv(b, h, hkv, length, d, dev, seed=0):
     gen = torch.Generator().manual_seed(seed)
     mk = lambda heads: torch.randn(b, length, heads, d, generator=gen).to(torch.bfloat16).to(dev).transpose(1, 2)  # noqa: E731
@@ -53,9 +62,9 @@ def flash_table(args, dev) -> list[str]:
 
     backends = sdpa_backends(dev)
     lines = [
-        "| D | L | causal | ours ms | ours TFLOP/s | portable TFLOP/s | cudnn TFLOP/s | fa2 TFLOP/s | flex TFLOP/s "
-        "| vs cudnn | vs fa2 | vs flex |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| D | L | causal | ours ms | ours TFLOP/s | portable TFLOP/s | deterministic / ours | cudnn TFLOP/s "
+        "| fa2 TFLOP/s | flex TFLOP/s | vs cudnn | vs fa2 | vs flex |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     worst = {}
     for d in args.head_dims:
@@ -79,6 +88,7 @@ def flash_table(args, dev) -> list[str]:
                     lambda a, b, c, causal=causal: sparse_attn.flash_attention(a, b, c, causal=causal), q, k, v
                 )
                 fns["portable"] = lambda f=ours_portable: portable(f)
+                fns["deterministic"] = lambda f=ours_portable: deterministic(f)
                 if not args.no_flex:
                     bm = (
                         create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, length, length, device=dev)
@@ -88,11 +98,11 @@ def flash_table(args, dev) -> list[str]:
                     fns["flex"] = backward_fn(lambda a, b, c, bm=bm: flex(a, b, c, block_mask=bm), q, k, v)
                 t = time_rounds(fns, dev, rounds=args.rounds)
                 ms = {n: sorted(x)[len(x) // 2] for n, x in t.items()}
-                r = {n: ratio_median(t[n], t["ours"]) for n in fns if n not in ("ours", "portable")}
+                r = {n: ratio_median(t[n], t["ours"]) for n in fns if n not in ("ours", "portable", "deterministic")}
                 tf = {n: tflops_bwd(pairs, d, m) for n, m in ms.items()}
                 lines.append(
                     f"| {d} | {length} | {causal} | {ms['ours']:.3f} | {tf['ours']:.0f} | {tf['portable']:.0f} | "
-                    f"{tf['cudnn']:.0f} | "
+                    f"{ratio_median(t['deterministic'], t['ours']):.2f} | {tf['cudnn']:.0f} | "
                     f"{tf['fa2']:.0f} | {tf.get('flex', float('nan')):.0f} | {r['cudnn']:.2f} | {r['fa2']:.2f} | "
                     f"{r.get('flex', float('nan')):.2f} |"
                 )

@@ -83,6 +83,12 @@ def files() -> dict[str, str]:
     for dname, dtype in DTYPES.items():
         for hd in BWD_HEAD_DIMS:
             for vname, variant in VARIANTS.items():
+                out[f"attn_bwd_dq_hdim{hd}_{dname}_{vname}_sm80.cu"] = (
+                    HEADER + '#include "sparse_attn/cuda/attn_bwd_dq.cuh"\n\n'
+                    "template cudaError_t sparse_attn::run_attn_bwd_dq_<sparse_attn::ScalarKind::"
+                    f"{dtype}, {hd}, sparse_attn::Variant::{variant}>(\n"
+                    "    const sparse_attn::AttnBwdParams&, cudaStream_t);\n"
+                )
                 out[f"attn_bwd_hdim{hd}_{dname}_{vname}_sm90.cu"] = (
                     HEADER + '#include "sparse_attn/cuda/attn_bwd_sm90.cuh"\n\n'
                     "template cudaError_t sparse_attn::run_attn_bwd_sm90_<sparse_attn::ScalarKind::"

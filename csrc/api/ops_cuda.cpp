@@ -249,8 +249,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     c.t.dv.zero_();
     return {c.t.dq, c.t.dk, c.t.dv};
   }
-  if (at::globalContext().deterministicAlgorithms())
-    at::globalContext().alertNotDeterministic(std::string(what) + " on CUDA (its fp32 atomics)");
+  // Deterministic mode: the tensor-core paths of flash and block-sparse attention compute dQ in a
+  // kernel of its own, without atomics; top-k and the CUDA-core kernel sum with atomics.
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  if (deterministic && !(c.tensor_cores && !gather))
+    at::globalContext().alertNotDeterministic(std::string(what) + " on CUDA with top-k, fp32 or D > 128");
   const c10::cuda::CUDAGuard guard(c.q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AttnBwdParams& bp = c.params;
@@ -268,14 +271,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     TORCH_CHECK(s.b * s.h_kv <= 65535, what, ": B * Hkv must be at most 65535, got ", s.b * s.h_kv);
     // The Hopper kernel where it was built and a block-sparse mask's key blocks are its 128-key tiles.
     const DeviceInfo dev = cuda_device_info(c.q.get_device());
+    // (Deterministic mode: the portable kernel computes dK and dV, attn_bwd_dq.cuh dQ.)
     const bool hopper = dev.cc == 90 && dev.sm90_kernels && dev.tma && !plan_options().portable_only &&
-                        (variant == Variant::kWindow || bp.fwd.kv_block == 128);
+                        !deterministic && (variant == Variant::kWindow || bp.fwd.kv_block == 128);
     // dQ / scale in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the
     // wgmma fragments in order (j, warp, g, t, e), undone below; the portable kernel's (B, H, Lq, D).
     const int64_t col_blocks = padded_head_dim(s.d) / 64;
-    at::Tensor dq_accum = hopper ? at::zeros({s.b, s.h, bp.lq_pad / 64, col_blocks, 8, 4, 8, 4, 2, 2}, f32)
-                                 : at::zeros({s.b, s.h, s.lq, s.d}, f32);
-    bp.dq_accum = dq_accum.data_ptr<float>();
+    at::Tensor dq_accum = deterministic ? at::Tensor()
+                          : hopper ? at::zeros({s.b, s.h, bp.lq_pad / 64, col_blocks, 8, 4, 8, 4, 2, 2}, f32)
+                                   : at::zeros({s.b, s.h, s.lq, s.d}, f32);
+    bp.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
+    bp.dq_separate = deterministic ? 1 : 0;
     check_launch(
         SA_HALF_DTYPE_SWITCH(
             bp.fwd.dtype, kDtype,
@@ -292,7 +298,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
               });
             }),
         what);
-    if (hopper) {  // row m * 64 + 16 warp + 8 e_hi + g, column 64 block + 8 j + 2 t + e_lo
+    if (deterministic) {
+      check_launch(SA_HALF_DTYPE_SWITCH(
+                       bp.fwd.dtype, kDtype,
+                       [&] {
+                         return SA_HEADDIM_SWITCH(padded_head_dim(s.d), kHeadDim, [&] {
+                           if constexpr (kHeadDim <= 128) {
+                             return variant == Variant::kWindow
+                                        ? run_attn_bwd_dq_<kDtype, kHeadDim, Variant::kWindow>(bp, stream)
+                                        : run_attn_bwd_dq_<kDtype, kHeadDim, Variant::kBlockSparse>(bp,
+                                                                                                    stream);
+                           }
+                           return cudaErrorInvalidValue;
+                         });
+                       }),
+                   what);
+    } else if (hopper) {  // row m * 64 + 16 warp + 8 e_hi + g, column 64 block + 8 j + 2 t + e_lo
       const at::Tensor rows =
           dq_accum.permute({0, 1, 2, 5, 8, 6, 3, 4, 7, 9}).reshape({s.b, s.h, bp.lq_pad, col_blocks * 64});
       c.t.dq.copy_(rows.slice(2, 0, s.lq).slice(3, 0, s.d).mul(bp.fwd.scale));

@@ -212,40 +212,42 @@ __global__ void __launch_bounds__(Tr::kNThreads, 256 / Tr::kNThreads)
     mma_nn<Tr::kDtype, kChunks, kQTiles / 2, kDTiles, 0>(acc_dv, pa[0], sdO + bt_rows);
     mma_nn<Tr::kDtype, kChunks, kQTiles / 2, kDTiles, 0>(acc_dk, dsa[0], sQ + bt_rows);
 
-    // dS^T to shared memory (rows = keys, 8 chunks of 8 queries), then dQ = dS K: each warp adds
-    // 16 rows x kDqChunks 32-column chunks.
+    if (!bp.dq_separate) {  // (the deterministic mode's own kernel computes dQ)
+      // dS^T to shared memory (rows = keys, 8 chunks of 8 queries), then dQ = dS K: each warp adds
+      // 16 rows x kDqChunks 32-column chunks.
 #pragma unroll
-    for (int ni = 0; ni < kQTiles; ++ni)
+      for (int ni = 0; ni < kQTiles; ++ni)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = warp * 16 + g + 8 * half;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDs + swz<kBlockM / 8>(r, ni) + t * 4),
-                     "r"(dsa[0][ni / 2][(ni % 2) * 2 + half]));
-      }
-    __syncthreads();
-    uint32_t da[kBlockN / 16][4];
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + g + 8 * half;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDs + swz<kBlockM / 8>(r, ni) + t * 4),
+                       "r"(dsa[0][ni / 2][(ni % 2) * 2 + half]));
+        }
+      __syncthreads();
+      uint32_t da[kBlockN / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      ldmatrix_x4_trans(da[kk], ds_a + kk * (16 * (kBlockM / 8) * 16));
-    float* dq = bp.dq_accum + ((int64_t(b) * p.h + h) * p.lq) * p.d;
-    const int qrow = m0 + row_group * 16 + g;
-    static_for<kDTiles / 4>([&](auto dc_) {
-      constexpr int dc = decltype(dc_)::value;
-      if (dc / Tr::kDqChunks != col_group) return;  // another warp's columns (warp-uniform)
-      float acc[4][4];
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        ldmatrix_x4_trans(da[kk], ds_a + kk * (16 * (kBlockM / 8) * 16));
+      float* dq = bp.dq_accum + ((int64_t(b) * p.h + h) * p.lq) * p.d;
+      const int qrow = m0 + row_group * 16 + g;
+      static_for<kDTiles / 4>([&](auto dc_) {
+        constexpr int dc = decltype(dc_)::value;
+        if (dc / Tr::kDqChunks != col_group) return;  // another warp's columns (warp-uniform)
+        float acc[4][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
-      mma_nn<Tr::kDtype, kChunks, kBlockN / 16, 4, 2 * dc>(acc, da, sK + bt_rows);
+          for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+        mma_nn<Tr::kDtype, kChunks, kBlockN / 16, 4, 2 * dc>(acc, da, sK + bt_rows);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int col8 = dc * 32 + i * 8;  // p.d is a multiple of 8: the whole n8 tile exists or none
-        const bool ok = col8 < p.d;
-        red_add_rows(ok && qrow < p.lq ? dq + int64_t(qrow) * p.d + col8 : nullptr,
-                     ok && qrow + 8 < p.lq ? dq + int64_t(qrow + 8) * p.d + col8 : nullptr, acc[i], t);
-      }
-    });
+        for (int i = 0; i < 4; ++i) {
+          const int col8 = dc * 32 + i * 8;  // p.d is a multiple of 8: the whole n8 tile exists or none
+          const bool ok = col8 < p.d;
+          red_add_rows(ok && qrow < p.lq ? dq + int64_t(qrow) * p.d + col8 : nullptr,
+                       ok && qrow + 8 < p.lq ? dq + int64_t(qrow + 8) * p.d + col8 : nullptr, acc[i], t);
+        }
+      });
+    }
     cur = nxt;
     have = have_next;
     buf ^= 1;

@@ -43,6 +43,10 @@ cudaError_t run_attn_bwd_(const AttnBwdParams& params, cudaStream_t stream);
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_attn_bwd_sm90_(const AttnBwdParams& params, cudaStream_t stream);
 
+// Deterministic mode's dQ (attn_bwd_dq.cuh, mma.sync): no atomics, written to params.dq.
+template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
+cudaError_t run_attn_bwd_dq_(const AttnBwdParams& params, cudaStream_t stream);
+
 // Top-k's tensor-core backward (gather_bwd.cuh), the forward's heads per warp (plan_gather's group).
 template <ScalarKind kDtype, int kHeadDim>
 cudaError_t run_gather_bwd_mma_(const AttnBwdParams& params, int group, cudaStream_t stream);
