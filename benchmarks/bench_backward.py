@@ -156,6 +156,50 @@ def block_sparse_table(args, dev) -> list[str]:
     return lines
 
 
+def memory_table(args, dev) -> list[str]:
+    """Peak memory a backward allocates beyond its three gradients (the fp32 dQ accumulator and
+    the rows' statistics for ours), against SDPA cuDNN's, in one run."""
+    backends = sdpa_backends(dev)
+    lines = ["| L | D | ours extra MiB | cudnn extra MiB | B·H·L·D·4 bytes MiB |", "|---|---|---|---|---|"]
+    for length in args.lengths:
+        for d in args.head_dims:
+            q, k, v = qkv(args.batch, args.heads, args.heads, length, d, dev, seed=5)
+            extra = {}
+            for name, fwd in (
+                ("ours", lambda a, b, c: sparse_attn.flash_attention(a, b, c, causal=True)),
+                ("cudnn", lambda a, b, c: run_sdpa(a, b, c, backends["sdpa-cudnn"], causal=True)),
+            ):
+                run = backward_fn(fwd, q, k, v)
+                run()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                grads = run()
+                torch.cuda.synchronize()
+                extra[name] = (
+                    torch.cuda.max_memory_allocated() - base - sum(x.numel() * x.element_size() for x in grads)
+                )
+                del grads, run
+            acc = args.batch * args.heads * length * d * 4
+            lines.append(
+                f"| {length} | {d} | {extra['ours'] / 2**20:.0f} | {extra['cudnn'] / 2**20:.0f} | {acc / 2**20:.0f} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
+def atomic_table(dev) -> list[str]:
+    """What the GPU sums with atomics: index_add_ of 256-float rows into random rows of a K/V-sized
+    fp32 buffer (what top-k's backward does per selected key), in GB/s of added data."""
+    rows, width, target = 1 << 20, 256, 65536
+    src = torch.randn(rows, width, device=dev)
+    idx = torch.randint(0, target, (rows,), device=dev)
+    out = torch.zeros(target, width, device=dev)
+    t = time_rounds({"index_add": lambda: out.index_add_(0, idx, src)}, dev, rounds=2)["index_add"]
+    ms = sorted(t)[len(t) // 2]
+    return [f"index_add_ of {rows} rows of {width} fp32 into {target} rows: {src.numel() * 4 / ms / 1e6:.0f} GB/s"]
+
+
 def topk_table(args, dev) -> list[str]:
     """Backward of gathered attention given the selection, against its forward (MQA)."""
     length, kk, h, d = args.topk_length, 2048, 16, 128
@@ -183,7 +227,7 @@ def topk_table(args, dev) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tables", nargs="+", default=["flash", "block_sparse", "topk"])
+    parser.add_argument("--tables", nargs="+", default=["flash", "block_sparse", "topk", "memory"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--batch", type=int, default=2)
@@ -204,7 +248,9 @@ def main(argv=None) -> int:
     if "block_sparse" in args.tables:
         out += ["## block-sparse backward", ""] + block_sparse_table(args, dev) + [""]
     if "topk" in args.tables:
-        out += ["## top-k backward", ""] + topk_table(args, dev) + [""]
+        out += ["## top-k backward", ""] + topk_table(args, dev) + [""] + atomic_table(dev) + [""]
+    if "memory" in args.tables:
+        out += ["## memory beyond the gradients (causal)", ""] + memory_table(args, dev) + [""]
     print("\n".join(out))
     return 0
 

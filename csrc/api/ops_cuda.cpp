@@ -274,8 +274,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     // (Deterministic mode: the portable kernel computes dK and dV, attn_bwd_dq.cuh dQ.)
     const bool hopper = dev.cc == 90 && dev.sm90_kernels && dev.tma && !plan_options().portable_only &&
                         !deterministic && (variant == Variant::kWindow || bp.fwd.kv_block == 128);
-    // dQ / scale in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the
-    // wgmma fragments in order (j, warp, g, t, e), undone below; the portable kernel's (B, H, Lq, D).
+    // dQ in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the wgmma
+    // fragments in order (j, warp, g, t, e), undone below; the portable kernel's dQ / scale as
+    // (B, H, Lq, D).
     const int64_t col_blocks = padded_head_dim(s.d) / 64;
     at::Tensor dq_accum = deterministic ? at::Tensor()
                           : hopper ? at::zeros({s.b, s.h, bp.lq_pad / 64, col_blocks, 8, 4, 8, 4, 2, 2}, f32)
@@ -313,10 +314,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
                          });
                        }),
                    what);
-    } else if (hopper) {  // row m * 64 + 16 warp + 8 e_hi + g, column 64 block + 8 j + 2 t + e_lo
-      const at::Tensor rows =
-          dq_accum.permute({0, 1, 2, 5, 8, 6, 3, 4, 7, 9}).reshape({s.b, s.h, bp.lq_pad, col_blocks * 64});
-      c.t.dq.copy_(rows.slice(2, 0, s.lq).slice(3, 0, s.d).mul(bp.fwd.scale));
+    } else if (hopper) {
+      // The tiles hold scale * dQ in fragment order: row m * 64 + 16 warp + 8 e_hi + g, column
+      // 64 block + 8 j + 2 t + e_lo. One strided copy (with the cast) puts them in place.
+      const int64_t nm = bp.lq_pad / 64;
+      const at::Tensor frag = dq_accum.permute({0, 1, 2, 5, 8, 6, 3, 4, 7, 9});
+      const std::vector<int64_t> split{s.b, s.h, nm, 4, 2, 8, col_blocks, 8, 4, 2};
+      if (s.lq == bp.lq_pad && s.d == col_blocks * 64) {
+        c.t.dq.view(split).copy_(frag);
+      } else {
+        at::Tensor full = at::empty({s.b, s.h, bp.lq_pad, col_blocks * 64}, c.t.dq.options());
+        full.view(split).copy_(frag);
+        c.t.dq.copy_(full.slice(2, 0, s.lq).slice(3, 0, s.d));
+      }
     } else {
       c.t.dq.copy_(dq_accum.mul_(bp.fwd.scale));
     }

@@ -93,9 +93,9 @@ struct AttnBwdParams {
   float* __restrict__ lse_log2;
   float* __restrict__ delta;
   int lq_pad;
-  // dQ / scale in fp32, zeroed, summed with atomics: (B, H, Lq, D) for the portable kernel; for the
-  // Hopper one, (B, H, lq_pad / 64, D_pad / 64) tiles of 64 x 64 in wgmma fragment order (ops_cuda.cpp
-  // undoes it).
+  // dQ in fp32, zeroed, summed with atomics: dQ / scale, (B, H, Lq, D), for the portable kernel; for
+  // the Hopper one dQ itself in (B, H, lq_pad / 64, D_pad / 64) tiles of 64 x 64 in wgmma fragment
+  // order (ops_cuda.cpp undoes it).
   float* __restrict__ dq_accum;
   // Deterministic mode: dQ comes from its own kernel (attn_bwd_dq.cuh, no atomics) and the portable
   // key-major kernel computes dK and dV only.

@@ -253,9 +253,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     if (tid == 0) bulk_wait_group<0, true>();  // this warpgroup's previous reduction has read it
     named_barrier(3 + wg, 128);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 8; ++j)  // scale * dQ: the glue only reorders and casts
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(stage_dq + (j * 128 + tid) * 16),
-                   "f"(dqa[4 * j]), "f"(dqa[4 * j + 1]), "f"(dqa[4 * j + 2]), "f"(dqa[4 * j + 3])
+                   "f"(dqa[4 * j] * p.scale), "f"(dqa[4 * j + 1] * p.scale), "f"(dqa[4 * j + 2] * p.scale),
+                   "f"(dqa[4 * j + 3] * p.scale)
                    : "memory");
     fence_proxy_async();
     named_barrier(3 + wg, 128);

@@ -1,9 +1,9 @@
 // The tensor-core backward of attention over gathered keys (top-k given its selection), the
 // forward's layout (gather_mma.cuh): one warp per (batch, query token, group of query heads), the
-// group's heads the 16 rows of the mma tile, the listed keys visited 32 at a time through a
+// group's heads the 16 rows of the mma tile, the listed keys visited 16 at a time through a
 // two-stage cp.async ring. Per stage: S = Q K^T, dP = dO V^T, P and dS as in attn_bwd.cuh, then
 // dQ += dS K in registers (the token's dQ is complete in its warp), and dK = dS^T Q, dV = P^T dO
-// for the 32 listed keys, reduced over the group's heads by the mma before one float2 atomic per
+// for the stage's listed keys, reduced over the group's heads by the mma before one float2 atomic per
 // pair of elements into the fp32 accumulators (P and dS go through shared memory transposed).
 #pragma once
 
@@ -18,25 +18,29 @@
 
 namespace sparse_attn::cuda {
 
+// Keys per stage: 16, half the forward's, so that a warp's shared memory (25 KB at head dim 128)
+// lets two CTAs share an SM: 8 warps where 32-key stages fit 4 (docs/PERF_LOG.md).
+constexpr int kGatherBwdKeys = 16;
+
 template <int kHeadDim>
 struct GatherBwdLayout {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kQBytes = kGatherMmaRows * kHeadDim * 2;
-  static constexpr int kKVBytes = kGatherMmaKeys * kHeadDim * 2;
-  static constexpr int kPBytes = kGatherMmaKeys * kGatherMmaRows * 2;  // (keys, heads), 32-byte rows
+  static constexpr int kKVBytes = kGatherBwdKeys * kHeadDim * 2;
+  static constexpr int kPBytes = kGatherBwdKeys * kGatherMmaRows * 2;  // (keys, heads), 32-byte rows
   // Q, dO, (K, V) per stage, P^T, dS^T.
   static constexpr int kWarpBytes = 2 * kQBytes + kGatherMmaStages * 2 * kKVBytes + 2 * kPBytes;
   static constexpr int kSmemBytes = kGatherMmaWarps * kWarpBytes;
 };
 
 template <ScalarKind kDtype, int kHeadDim>
-__global__ void __launch_bounds__(kGatherMmaWarps * 32)
+__global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
     gather_bwd_mma_kernel(__grid_constant__ const AttnBwdParams bp, const int group) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Element = typename ElementOf<kDtype>::type;
   using L = GatherBwdLayout<kHeadDim>;
   constexpr int kChunks = L::kChunks, kDTiles = kHeadDim / 8, kKSteps = kHeadDim / 16;
-  constexpr int kKeys = kGatherMmaKeys;
+  constexpr int kKeys = kGatherBwdKeys;
   constexpr int kRowsPerStep = 32 / kChunks;
   const AttnFwdParams& p = bp.fwd;
   extern __shared__ __align__(128) char smem[];
@@ -90,7 +94,7 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
   const int n_stages = (p.topk + kKeys - 1) / kKeys;
   auto load_index = [&](int chunk) {
     const int pos = chunk * kKeys + lane;
-    const int j = chunk < n_stages && pos < p.topk ? __ldg(idx + pos) : -1;
+    const int j = lane < kKeys && chunk < n_stages && pos < p.topk ? __ldg(idx + pos) : -1;
     return j >= 0 && j < p.lk ? j : -1;
   };
   auto issue = [&](int stage, int jl) {
@@ -181,7 +185,7 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
         *reinterpret_cast<Element*>(pDs + at) = from_f32<Element>(dp[0][ni][e]);
       }
     __syncwarp();
-    // dK = dS^T Q and dV = P^T dO for the 32 slots (two 16-key m tiles), 32 columns at a time.
+    // dK = dS^T Q and dV = P^T dO for the stage's slots (16-key m tiles), 32 columns at a time.
 #pragma unroll
     for (int mt = 0; mt < kKeys / 16; ++mt) {
       uint32_t ap[1][4], ad[1][4];
