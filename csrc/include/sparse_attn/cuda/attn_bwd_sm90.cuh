@@ -54,9 +54,12 @@ struct AttnBwdSm90Traits {
       64 * 64 * 4;  // a consumer's fp32 dQ tile, staged for the bulk reduction
   // K, V, the stages' Q and dO, dS, the consumers' dQ tiles, then the stages' statistics.
   static constexpr int kSmemBytes =
-      1024 + 2 * kKBytes + 2 * kStages * kQBytes + kDsBytes + 2 * kDqTileBytes + kStages * kStatBytes;
+      1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * kDsBytes + 2 * kDqTileBytes + kStages * kStatBytes;
   static_assert(kSmemBytes + 64 <= 227 * 1024);
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // The next tile's S^T and dP^T issued before this tile's dQ is staged (head dim 64 only: at 128,
+  // dK, dV, S^T, dP^T and dQ's accumulators would need 224 of the 240 registers).
+  static constexpr bool kPipelined = kHeadDim == 64;
   static_assert(128 * kProducerRegs + 2 * 128 * kConsumerRegs <= kNThreads * ((65536 / kNThreads) & ~7));
   using QTiles = typename QTilesOf<kVariant, kBlockM, kBlockN>::type;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
@@ -76,7 +79,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint32_t sQ = sV + Tr::kKBytes;             // kStages buffers
   const uint32_t sdO = sQ + kStages * Tr::kQBytes;  // kStages buffers
   const uint32_t sDs = sdO + kStages * Tr::kQBytes;
-  const uint32_t sDq = sDs + Tr::kDsBytes;            // one dQ tile per consumer
+  const uint32_t sDq =
+      sDs + 2 * Tr::kDsBytes;  // (two dS buffers, alternating by tile)            // one dQ tile per consumer
   const uint32_t sStat = sDq + 2 * Tr::kDqTileBytes;  // kStages x (lse_log2[64], delta[64])
   const float* stat_ptr = reinterpret_cast<const float*>(smem_raw + (sStat - smem_u32(smem_raw)));
   __shared__ alignas(8) uint64_t barriers[1 + 2 * kStages];
@@ -168,13 +172,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
   QTilePos cur = first;
   bool have = any;
-  if (any) mbar_wait(bar_kv, 0);
+  if (any) {
+    mbar_wait(bar_kv, 0);
+    if constexpr (Tr::kPipelined) issue_sdp(0);
+  }
   for (int n = 0; have; ++n) {
     const int s = n % kStages;
-    const int h = hk * p.h_per_kv + cur.hl, m0 = cur.m_block * kBlockM;
+    const int h = hk * p.h_per_kv + cur.hl, m_block = cur.m_block, m0 = m_block * kBlockM;
     const uint32_t q_s = sQ + s * Tr::kQBytes, do_s = sdO + s * Tr::kQBytes;
-    issue_sdp(n);
-    wgmma_wait<0>();
+    if constexpr (!Tr::kPipelined) issue_sdp(n);
+    wgmma_wait<0>();  // S^T and dP^T of this tile (pipelined: issued by the previous step or above)
     fence_regs(st_flat);
     fence_regs(dpt_flat);
 
@@ -198,15 +205,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     pack_p<Tr::kDtype>(st, pa);
     pack_p<Tr::kDtype>(dpt, dsa);
 
-    // dS (query, key) into shared memory, K-major for dQ: column block wg, 16 keys per warp. Head
-    // dim 128: the other warpgroup's dQ of the previous tile must be done reading it (barrier 1).
-    // At 64 each warpgroup's dQ reads only its own block, which its own wait freed: the two
-    // warpgroups run unsynchronised, one's softmax under the other's GEMMs.
-    if constexpr (kHeadDim == 128) named_barrier(1, 256);
+    // dS (query, key) into shared memory, K-major for dQ: column block wg of this tile's buffer,
+    // 16 keys per warp. The buffers alternate: the one written here was last read by the dQ of two
+    // tiles ago, which both warpgroups waited for before the barrier that the previous tile's dQ
+    // waited at. At head dim 64 each warpgroup's dQ reads only its own block: the two run
+    // unsynchronised.
+    const uint32_t ds_buf = sDs + (n % 2) * Tr::kDsBytes;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       const int mi = lane / 8, q = kk * 16 + 8 * (mi / 2) + lane % 8, chunk = 2 * warp + mi % 2;
-      stmatrix_x4_trans(sDs + wg * Tr::kDsColBytes + q * 128 + ((chunk ^ (q & 7)) * 16), dsa[0][kk]);
+      stmatrix_x4_trans(ds_buf + wg * Tr::kDsColBytes + q * 128 + ((chunk ^ (q & 7)) * 16), dsa[0][kk]);
     }
     fence_proxy_async();
 
@@ -219,32 +227,47 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       Wgmma<Tr::kDtype, kHeadDim>::rs(dv, pa[0][kk], sw128_desc(do_s + kk * 2048, Tr::kQColBytes, 1024));
       Wgmma<Tr::kDtype, kHeadDim>::rs(dk, dsa[0][kk], sw128_desc(q_s + kk * 2048, Tr::kQColBytes, 1024));
     });
+    wgmma_commit();
     if constexpr (kHeadDim == 128)
-      named_barrier(2, 256);  // both halves of dS written
+      named_barrier(1, 256);  // both halves of dS written
     else
       named_barrier(1 + wg, 128);  // this warpgroup's half written
 
     // dQ (64 queries x 64 columns) = dS K: head dim 128, columns 64 wg .. over all 128 keys;
-    // 64, every column over this warpgroup's keys. Same group as dV and dK.
+    // 64, every column over this warpgroup's keys. A group of its own.
     float dqa[32];
     constexpr int kKeySteps = kHeadDim == 128 ? 8 : 4;
     const int step0 = kHeadDim == 128 ? 0 : 4 * wg, col_block = kHeadDim == 128 ? wg : 0;
 #pragma unroll
     for (int i = 0; i < kKeySteps; ++i) {
       const int kk = step0 + i;
-      const uint64_t da = sw128_desc(sDs + (kk / 4) * Tr::kDsColBytes + (kk % 4) * 32, 16, 1024);
+      const uint64_t da = sw128_desc(ds_buf + (kk / 4) * Tr::kDsColBytes + (kk % 4) * 32, 16, 1024);
       const uint64_t db = sw128_desc(sK + col_block * Tr::kKColBytes + kk * 2048, Tr::kKColBytes, 1024);
       Wgmma<Tr::kDtype, 64>::ss_mn(dqa, da, db, i > 0 ? 1 : 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(dqa);
+    wgmma_wait<1>();  // dV and dK: P^T and dS^T's registers, Q and dO of stage s are free
     fence_regs(dk);
     fence_regs(dv);
     fence_regs(pa_flat);
     fence_regs(dsa_flat);
     __syncwarp();
-    if (lane == 0) mbar_arrive(bar_empty + 8 * s);  // Q, dO and the statistics of stage s are free
+    if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+    // Head dim 64: the next tile's S^T and dP^T queue behind dQ, so the tensor cores stay busy
+    // while dQ is staged and reduced below (an empty group when there is none keeps the wait
+    // unconditional). At 128 their registers are not there (ptxas serialises the wgmmas): they
+    // are issued at the next step's start.
+    have = tiles.advance(cur);
+    if constexpr (Tr::kPipelined) {
+      if (have)
+        issue_sdp(n + 1);
+      else
+        wgmma_commit();
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
+    fence_regs(dqa);
 
     // dQ to the fp32 accumulator by a bulk reduction (the TMA unit adds it while the warpgroup goes
     // on): the 64 x 64 tile staged in shared memory in fragment order, float4 j of thread T at
@@ -262,11 +285,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     named_barrier(3 + wg, 128);
     if (tid == 0) {
       const int64_t tile =
-          ((int64_t(b) * p.h + h) * (bp.lq_pad / kBlockM) + cur.m_block) * Tr::kColBlocks + col_block;
+          ((int64_t(b) * p.h + h) * (bp.lq_pad / kBlockM) + m_block) * Tr::kColBlocks + col_block;
       bulk_reduce_add_f32(bp.dq_accum + tile * (Tr::kDqTileBytes / 4), stage_dq, Tr::kDqTileBytes);
       bulk_commit_group();
     }
-    have = tiles.advance(cur);
   }
   if (tid == 0) bulk_wait_group<0, true>();  // the staging buffer lives until its last reduction read it
 
