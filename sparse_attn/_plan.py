@@ -139,16 +139,30 @@ def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target) ->
     """The backward of a call: its ops' backward kernels and where they run."""
     if query.device.type == "cpu" and target[0] == 0:
         return f"{kernels} (CPU kernels: P recomputed from the LSE, one (batch, kv head) per thread)"
+    cc = target[0]
+    if cc == 0:
+        major, minor = torch.cuda.get_device_capability(query.device)
+        cc = 10 * major + minor
     tensor_cores = (
         "gather_bwd" not in kernels
         and query.dtype in (torch.float16, torch.bfloat16)
         and query.shape[-1] == value.shape[-1] <= 128
     )
-    if tensor_cores:
-        how = "tensor-core kernel: 64 keys per CTA, dK and dV in registers, dQ summed in fp32 with atomics"
-    else:
-        how = "CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics"
-    return f"{kernels} (CUDA {how}; not deterministic)"
+    if "gather_bwd" in kernels and query.dtype != torch.float32 and query.shape[-1] == value.shape[-1] <= 128:
+        return f"{kernels} (CUDA tensor-core kernel: a token's heads per warp, dK and dV summed in fp32 with atomics)"
+    if not tensor_cores:
+        return f"{kernels} (CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics)"
+    if torch.are_deterministic_algorithms_enabled():
+        return (
+            f"{kernels} (deterministic: the portable mma.sync kernel computes dK and dV, then dQ in a kernel "
+            "of its own, without atomics)"
+        )
+    if cc == 90:
+        return (
+            f"{kernels} (CUDA Hopper kernel: 128 keys per CTA, dK and dV in registers, dQ added by TMA bulk "
+            "reductions; block-sparse masks of 64-key blocks take the portable mma.sync kernel)"
+        )
+    return f"{kernels} (CUDA portable mma.sync kernel: 128 keys per CTA, dK and dV in registers, dQ by fp32 atomics)"
 
 
 def _launch(kernel: str, text: str, count: int = 1, role: str = "") -> Launch:

@@ -138,10 +138,12 @@ def test_cpu_plans():
     assert (_only(plan).core, _only(plan).tile) == ("cpu", (32, 64))
     assert plan.backward.startswith("flash_bwd (CPU kernels")
     gpu = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 8, target="sm90")
-    assert gpu.backward.startswith("gather_bwd (CUDA CUDA-core kernel")
+    assert gpu.backward.startswith("gather_bwd (CUDA-core kernel")
     half = _qkv(d=128, dtype=torch.bfloat16)
     gpu = sparse_attn.explain(sparse_attn.flash_attention, *half, causal=True, target="sm90")
-    assert gpu.backward.startswith("flash_bwd (CUDA tensor-core kernel")
+    assert gpu.backward.startswith("flash_bwd (CUDA Hopper kernel")
+    sm80 = sparse_attn.explain(sparse_attn.flash_attention, *half, causal=True, target="sm80")
+    assert sm80.backward.startswith("flash_bwd (CUDA portable mma.sync kernel")
 
 
 @pytest.mark.parametrize("d", [64, 128, 40, 96])
