@@ -106,6 +106,27 @@ __device__ __forceinline__ void red_add_rows(float* row_lo, float* row_hi, const
   }
 }
 
+// Stores a warp's m16 x (8 kNT) accumulator tile times `factor` as 16-bit rows (this thread's rows
+// `row` and row + 8, columns 8 nd + 2t and + 1) of a row-major matrix: rows >= rows and columns
+// >= cols are skipped.
+template <ScalarKind kDtype, int kNT>
+__device__ __forceinline__ void store_rows(typename ElementOf<kDtype>::type* out, int64_t row_stride, int row,
+                                           int rows, int cols, const float (&acc)[kNT][4], float factor,
+                                           int t) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row + 8 * half;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int nd = 0; nd < kNT; ++nd) {
+      const int col = nd * 8 + 2 * t;
+      if (col < cols)
+        *reinterpret_cast<uint32_t*>(out + int64_t(r) * row_stride + col) =
+            pack2<kDtype>(acc[nd][2 * half] * factor, acc[nd][2 * half + 1] * factor);
+    }
+  }
+}
+
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 256 / Tr::kNThreads)
     attn_bwd_kernel(__grid_constant__ const AttnBwdParams bp) {
@@ -257,20 +278,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 256 / Tr::kNThreads)
   // dK = scale * sum dS^T Q, dV = sum P^T dO (16 keys per warp).
   Element* dk = static_cast<Element*>(bp.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * p.d;
   Element* dv = static_cast<Element*>(bp.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * p.dv;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int n = key_row + 8 * half;
-    if (n >= p.lk) continue;
-#pragma unroll
-    for (int nd = 0; nd < kDTiles; ++nd) {
-      const int col = nd * 8 + 2 * t;
-      if (col >= p.d) continue;
-      *reinterpret_cast<uint32_t*>(dk + int64_t(n) * p.d + col) =
-          pack2<Tr::kDtype>(acc_dk[nd][2 * half] * p.scale, acc_dk[nd][2 * half + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dv + int64_t(n) * p.dv + col) =
-          pack2<Tr::kDtype>(acc_dv[nd][2 * half], acc_dv[nd][2 * half + 1]);
-    }
-  }
+  store_rows<Tr::kDtype>(dk, p.d, key_row, p.lk, p.d, acc_dk, p.scale, t);
+  store_rows<Tr::kDtype>(dv, p.dv, key_row, p.lk, p.dv, acc_dv, 1.f, t);
 #else
   __trap();  // built for an architecture without bf16 mma.sync: the launcher never gets here
 #endif

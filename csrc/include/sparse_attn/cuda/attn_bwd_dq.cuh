@@ -111,18 +111,7 @@ __global__ void __launch_bounds__(Tr::kNThreads)
   cp_async_wait<0>();
 
   Element* dq = static_cast<Element*>(bp.dq) + (int64_t(bh) * p.lq + m0) * p.d;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = warp * 16 + g + 8 * half;
-    if (m0 + r >= p.lq) continue;
-#pragma unroll
-    for (int nd = 0; nd < kDTiles; ++nd) {
-      const int col = nd * 8 + 2 * t;
-      if (col < p.d)
-        *reinterpret_cast<uint32_t*>(dq + int64_t(r) * p.d + col) =
-            pack2<Tr::kDtype>(acc[nd][2 * half] * p.scale, acc[nd][2 * half + 1] * p.scale);
-    }
-  }
+  store_rows<Tr::kDtype>(dq, p.d, warp * 16 + g, p.lq - m0, p.d, acc, p.scale, t);
 #else
   __trap();
 #endif

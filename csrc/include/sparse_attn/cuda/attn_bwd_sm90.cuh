@@ -152,21 +152,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const int s = n % kStages;
     const uint32_t q_s = sQ + s * Tr::kQBytes, do_s = sdO + s * Tr::kQBytes;
     mbar_wait(bar_full + 8 * s, (n / kStages) & 1);
+    // A: this warpgroup's 64 rows of K (or V); B: the tile's Q (or dO); both K-major.
+    auto rows_gemm = [&](float (&acc)[32], uint32_t a_tile, uint32_t b_tile) {
+      static_for<kHeadDim / 16>([&](auto kk_) {
+        constexpr int kk = decltype(kk_)::value;
+        constexpr uint32_t off = (kk % 4) * 32;
+        const uint64_t da = sw128_desc(a_tile + (kk / 4) * Tr::kKColBytes + wg * 64 * 128 + off, 16, 1024);
+        const uint64_t db = sw128_desc(b_tile + (kk / 4) * Tr::kQColBytes + off, 16, 1024);
+        Wgmma<Tr::kDtype, 64>::ss(acc, da, db, kk > 0 ? 1 : 0);
+      });
+    };
     wgmma_fence();
-    static_for<kHeadDim / 16>([&](auto kk_) {
-      constexpr int kk = decltype(kk_)::value;
-      constexpr uint32_t off = (kk % 4) * 32;
-      const uint64_t dkd = sw128_desc(sK + (kk / 4) * Tr::kKColBytes + wg * 64 * 128 + off, 16, 1024);
-      const uint64_t dq = sw128_desc(q_s + (kk / 4) * Tr::kQColBytes + off, 16, 1024);
-      Wgmma<Tr::kDtype, 64>::ss(st_flat, dkd, dq, kk > 0 ? 1 : 0);
-    });
-    static_for<kHeadDim / 16>([&](auto kk_) {
-      constexpr int kk = decltype(kk_)::value;
-      constexpr uint32_t off = (kk % 4) * 32;
-      const uint64_t dvd = sw128_desc(sV + (kk / 4) * Tr::kKColBytes + wg * 64 * 128 + off, 16, 1024);
-      const uint64_t dod = sw128_desc(do_s + (kk / 4) * Tr::kQColBytes + off, 16, 1024);
-      Wgmma<Tr::kDtype, 64>::ss(dpt_flat, dvd, dod, kk > 0 ? 1 : 0);
-    });
+    rows_gemm(st_flat, sK, q_s);
+    rows_gemm(dpt_flat, sV, do_s);
     wgmma_commit();
   };
 
@@ -296,20 +294,10 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   using Element = typename ElementOf<Tr::kDtype>::type;
   Element* dkp = static_cast<Element*>(bp.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * p.d;
   Element* dvp = static_cast<Element*>(bp.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * p.dv;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = key_row + 8 * half;
-    if (key >= p.lk) continue;
-#pragma unroll
-    for (int j = 0; j < kDTiles; ++j) {
-      const int col = j * 8 + 2 * t;
-      if (col >= p.d) continue;
-      *reinterpret_cast<uint32_t*>(dkp + int64_t(key) * p.d + col) =
-          pack2<Tr::kDtype>(dk[4 * j + 2 * half] * p.scale, dk[4 * j + 2 * half + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dvp + int64_t(key) * p.dv + col) =
-          pack2<Tr::kDtype>(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
-    }
-  }
+  store_rows<Tr::kDtype>(dkp, p.d, key_row, p.lk, p.d, reinterpret_cast<const float (&)[kDTiles][4]>(dk),
+                         p.scale, t);
+  store_rows<Tr::kDtype>(dvp, p.dv, key_row, p.lk, p.dv, reinterpret_cast<const float (&)[kDTiles][4]>(dv),
+                         1.f, t);
 #else
   __trap();  // not built for sm_90a: the launcher never gets here
 #endif

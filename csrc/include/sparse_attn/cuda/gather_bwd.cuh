@@ -224,20 +224,9 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
   }
   cp_async_wait<0>();
 
-  // dQ = scale * sum dS K, rows of the group only.
+  // dQ = scale * sum dS K, rows of the group only (head r of the group: row stride Lq * D).
   Element* dq = static_cast<Element*>(bp.dq) + ((int64_t(b) * p.h + h0) * p.lq + i) * p.d;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = g + 8 * half;
-    if (r >= group) continue;
-#pragma unroll
-    for (int nd = 0; nd < kDTiles; ++nd) {
-      const int col = nd * 8 + 2 * t;
-      if (col < p.d)
-        *reinterpret_cast<uint32_t*>(dq + int64_t(r) * p.lq * p.d + col) =
-            pack2<kDtype>(acc_dq[nd][2 * half] * p.scale, acc_dq[nd][2 * half + 1] * p.scale);
-    }
-  }
+  store_rows<kDtype>(dq, int64_t(p.lq) * p.d, g, group, p.d, acc_dq, p.scale, t);
 #else
   __trap();
 #endif
