@@ -264,3 +264,34 @@ def test_cuda_backward_matches_the_cpu_kernels(d, portable, length):
             gpu = _grads(fn, q.cuda(), k.cuda(), v.cuda(), g.cuda())
         for a, b in zip(cpu, gpu, strict=True):
             torch.testing.assert_close(b.cpu().float(), a.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gradcheck_fp32():
+    """torch.autograd.gradcheck against finite differences. The ops take no fp64, so in fp32 with
+    the step and tolerances fp32 allows (a wrong formula misses by orders of magnitude more)."""
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(1, 2, 1, 11, 11, 8, dtype=torch.float32, seed=21))
+    mask = patterns.longformer(11, 3, [0])
+    for fn in (
+        lambda a, b, c: sparse_attn.flash_attention(a, b, c, causal=True),
+        lambda a, b, c: sparse_attn.flash_attention(a, b, c, window=(3, 1)),
+        lambda a, b, c: sparse_attn.block_sparse_attention(a, b, c, mask),
+    ):
+        assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-2, atol=2e-3, rtol=2e-2, fast_mode=True)
+
+
+def test_exported_program_trains(device):
+    """torch.export of a layer with our op: the exported module's gradients equal eager's."""
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            return sparse_attn.flash_attention(q, k, v, causal=True)
+
+    q, k, v = make_qkv(1, 4, 2, 70, 70, 64, dtype=torch.bfloat16, device=device, seed=22)
+    exported = torch.export.export(Layer(), (q, k, v)).module()
+    grads = []
+    for run in (Layer(), exported):
+        args = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        run(*args).float().square().sum().backward()
+        grads.append([a.grad for a in args])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
