@@ -154,8 +154,8 @@ def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target) ->
         return f"{kernels} (CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics)"
     if torch.are_deterministic_algorithms_enabled():
         return (
-            f"{kernels} (deterministic: the portable mma.sync kernel computes dK and dV, then dQ in a kernel "
-            "of its own, without atomics)"
+            f"{kernels} (deterministic: the {'Hopper' if cc == 90 else 'portable mma.sync'} kernel computes dK "
+            "and dV, then dQ in a kernel of its own, without atomics)"
         )
     if cc == 90:
         return (

@@ -209,8 +209,9 @@ def test_compiled_training_step_equals_eager(device):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("portable", [False, True], ids=["planned", "portable"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_deterministic_mode_is_bitwise_repeatable(d):
+def test_cuda_deterministic_mode_is_bitwise_repeatable(d, portable):
     """Under torch.use_deterministic_algorithms(True) flash and block-sparse gradients are
     bit-identical over 100 runs (dQ from its own kernel, no atomics) and agree with the default
     path's; top-k, whose dK and dV are summed with atomics, raises PyTorch's error instead."""
@@ -222,17 +223,18 @@ def test_cuda_deterministic_mode_is_bitwise_repeatable(d):
         lambda a, b, c: sparse_attn.block_sparse_attention(a, b, c, mask, return_lse=True),
     ):
         default = _grads(fn, q, k, v, g)
-        torch.use_deterministic_algorithms(True)
-        try:
-            first = _grads(fn, q, k, v, g)
-            for _ in range(99):
-                for a, b in zip(first, _grads(fn, q, k, v, g), strict=True):
-                    assert torch.equal(a, b)
-            with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
-                sparse_attn.topk_attention(q.requires_grad_(True), k, v, 64).sum().backward()
-        finally:
-            torch.use_deterministic_algorithms(False)
-            q.requires_grad_(False)
+        with sparse_attn._plan.overrides(portable_only=portable):
+            torch.use_deterministic_algorithms(True)
+            try:
+                first = _grads(fn, q, k, v, g)
+                for _ in range(99):
+                    for a, b in zip(first, _grads(fn, q, k, v, g), strict=True):
+                        assert torch.equal(a, b)
+                with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+                    sparse_attn.topk_attention(q.requires_grad_(True), k, v, 64).sum().backward()
+            finally:
+                torch.use_deterministic_algorithms(False)
+                q.requires_grad_(False)
         for a, b in zip(first, default, strict=True):
             torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 

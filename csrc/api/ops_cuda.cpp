@@ -271,9 +271,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     TORCH_CHECK(s.b * s.h_kv <= 65535, what, ": B * Hkv must be at most 65535, got ", s.b * s.h_kv);
     // The Hopper kernel where it was built and a block-sparse mask's key blocks are its 128-key tiles.
     const DeviceInfo dev = cuda_device_info(c.q.get_device());
-    // (Deterministic mode: the portable kernel computes dK and dV, attn_bwd_dq.cuh dQ.)
+    // (Deterministic mode: the key-major kernel computes dK and dV only, attn_bwd_dq.cuh dQ.)
     const bool hopper = dev.cc == 90 && dev.sm90_kernels && dev.tma && !plan_options().portable_only &&
-                        !deterministic && (variant == Variant::kWindow || bp.fwd.kv_block == 128);
+                        (variant == Variant::kWindow || bp.fwd.kv_block == 128);
     // dQ in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the wgmma
     // fragments in order (j, warp, g, t, e), undone below; the portable kernel's dQ / scale as
     // (B, H, Lq, D).

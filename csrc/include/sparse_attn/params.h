@@ -97,8 +97,8 @@ struct AttnBwdParams {
   // the Hopper one dQ itself in (B, H, lq_pad / 64, D_pad / 64) tiles of 64 x 64 in wgmma fragment
   // order (ops_cuda.cpp undoes it).
   float* __restrict__ dq_accum;
-  // Deterministic mode: dQ comes from its own kernel (attn_bwd_dq.cuh, no atomics) and the portable
-  // key-major kernel computes dK and dV only.
+  // Deterministic mode: dQ comes from its own kernel (attn_bwd_dq.cuh, no atomics) and the key-major
+  // kernel (Hopper's or the portable one) computes dK and dV only.
   int dq_separate;
   float* __restrict__ dk_accum;  // (B, Hkv, Lk, D) fp32, zeroed (CUDA-core kernel): dK, atomics
   float* __restrict__ dv_accum;  // (B, Hkv, Lk, Dv) fp32, zeroed (CUDA-core kernel): dV, atomics

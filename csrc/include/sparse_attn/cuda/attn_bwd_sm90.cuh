@@ -34,8 +34,11 @@ struct AttnBwdSm90Args {
   CUtensorMap tma_q, tma_do, tma_k, tma_v;  // Q and dO: boxes of kBlockM rows; K and V: kBlockN
 };
 
-template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant>
+// kDq_: false computes dK and dV only (the deterministic mode, whose dQ has a kernel of its own).
+template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant_, bool kDq_>
 struct AttnBwdSm90Traits {
+  static constexpr bool kDq = kDq_;
+  static constexpr Variant kVariant = kVariant_;
   static constexpr ScalarKind kDtype = kDtype_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBwdBlockM;  // query rows per tile
@@ -59,7 +62,7 @@ struct AttnBwdSm90Traits {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // The next tile's S^T and dP^T issued before this tile's dQ is staged (head dim 64 only: at 128,
   // dK, dV, S^T, dP^T and dQ's accumulators would need 224 of the 240 registers).
-  static constexpr bool kPipelined = kHeadDim == 64;
+  static constexpr bool kPipelined = kHeadDim == 64 && kDq;
   static_assert(128 * kProducerRegs + 2 * 128 * kConsumerRegs <= kNThreads * ((65536 / kNThreads) & ~7));
   using QTiles = typename QTilesOf<kVariant, kBlockM, kBlockN>::type;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
@@ -209,12 +212,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     // waited at. At head dim 64 each warpgroup's dQ reads only its own block: the two run
     // unsynchronised.
     const uint32_t ds_buf = sDs + (n % 2) * Tr::kDsBytes;
+    if constexpr (Tr::kDq) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const int mi = lane / 8, q = kk * 16 + 8 * (mi / 2) + lane % 8, chunk = 2 * warp + mi % 2;
-      stmatrix_x4_trans(ds_buf + wg * Tr::kDsColBytes + q * 128 + ((chunk ^ (q & 7)) * 16), dsa[0][kk]);
+      for (int kk = 0; kk < 4; ++kk) {
+        const int mi = lane / 8, q = kk * 16 + 8 * (mi / 2) + lane % 8, chunk = 2 * warp + mi % 2;
+        stmatrix_x4_trans(ds_buf + wg * Tr::kDsColBytes + q * 128 + ((chunk ^ (q & 7)) * 16), dsa[0][kk]);
+      }
+      fence_proxy_async();
     }
-    fence_proxy_async();
 
     // dV += P^T dO and dK += dS^T Q: K = the 64 queries, B MN-major (16 query rows = 2048 bytes).
     auto& pa_flat = reinterpret_cast<uint32_t (&)[16]>(pa);
@@ -226,6 +231,17 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       Wgmma<Tr::kDtype, kHeadDim>::rs(dk, dsa[0][kk], sw128_desc(q_s + kk * 2048, Tr::kQColBytes, 1024));
     });
     wgmma_commit();
+    if constexpr (!Tr::kDq) {
+      wgmma_wait<0>();
+      fence_regs(dk);
+      fence_regs(dv);
+      fence_regs(pa_flat);
+      fence_regs(dsa_flat);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+      have = tiles.advance(cur);
+      continue;
+    }
     if constexpr (kHeadDim == 128)
       named_barrier(1, 256);  // both halves of dS written
     else
@@ -288,7 +304,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       bulk_commit_group();
     }
   }
-  if (tid == 0) bulk_wait_group<0, true>();  // the staging buffer lives until its last reduction read it
+  if (Tr::kDq && tid == 0)
+    bulk_wait_group<0, true>();  // the staging buffer lives until its last reduction read it
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO.
   using Element = typename ElementOf<Tr::kDtype>::type;
@@ -307,15 +324,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
 namespace sparse_attn {
 
-template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
-cudaError_t run_attn_bwd_sm90_(const AttnBwdParams& params, cudaStream_t stream) {
-  using Tr = cuda::AttnBwdSm90Traits<kDtype, kHeadDim, kVariant>;
+namespace cuda {
+template <typename Tr>
+cudaError_t launch_attn_bwd_sm90(const AttnBwdParams& params, cudaStream_t stream) {
   const AttnFwdParams& p = params.fwd;
-  if (kVariant == Variant::kBlockSparse && p.kv_block != Tr::kBlockN) return cudaErrorInvalidValue;
+  if (Tr::kVariant == Variant::kBlockSparse && p.kv_block != Tr::kBlockN) return cudaErrorInvalidValue;
   const dim3 grid((p.lk + Tr::kBlockN - 1) / Tr::kBlockN, p.b * p.h_kv);
   if (grid.x == 0 || grid.y == 0) return cudaSuccess;
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  cuda::AttnBwdSm90Args args;
+  AttnBwdSm90Args args;
   args.bp = params;
   SA_CUDA_TRY(encode_bhld_tma(&args.tma_q, p.q, 2, p.d, p.lq, p.h, p.b, p.q_row_stride, p.q_head_stride,
                               p.q_batch_stride, Tr::kBlockM));
@@ -325,10 +342,21 @@ cudaError_t run_attn_bwd_sm90_(const AttnBwdParams& params, cudaStream_t stream)
                               p.k_batch_stride, Tr::kBlockN));
   SA_CUDA_TRY(encode_bhld_tma(&args.tma_v, p.v, 2, p.dv, p.lk, p.h_kv, p.b, p.v_row_stride, p.v_head_stride,
                               p.v_batch_stride, Tr::kBlockN));
-  auto kernel = cuda::attn_bwd_sm90_kernel<Tr>;
+  auto kernel = attn_bwd_sm90_kernel<Tr>;
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<grid, Tr::kNThreads, Tr::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
+}
+}  // namespace cuda
+
+// dq_separate (the deterministic mode): the instantiation without dQ.
+template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
+cudaError_t run_attn_bwd_sm90_(const AttnBwdParams& params, cudaStream_t stream) {
+  if (params.dq_separate)
+    return cuda::launch_attn_bwd_sm90<cuda::AttnBwdSm90Traits<kDtype, kHeadDim, kVariant, false>>(params,
+                                                                                                  stream);
+  return cuda::launch_attn_bwd_sm90<cuda::AttnBwdSm90Traits<kDtype, kHeadDim, kVariant, true>>(params,
+                                                                                               stream);
 }
 
 }  // namespace sparse_attn
