@@ -78,8 +78,19 @@ def test_flash_gradients(dtype, shape, mode, device):
     _check(f"flash {mode} {shape}", fn, mask, q, k, v, with_lse=mode == "full", device=device)
 
 
+def _flex_mask(length, device="cpu"):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mod(b, h, q, kv):  # a causal band of 100 keys and a global first token
+        return ((q - kv < 100) & (kv <= q)) | (kv == 0)
+
+    return create_block_mask(mod, None, None, length, length, device=device, BLOCK_SIZE=64)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["random", "longformer", "dilated", "causal_plain", "window", "empty_rows"])
+@pytest.mark.parametrize(
+    "name", ["random", "longformer", "dilated", "causal_plain", "window", "empty_rows", "flex", "flex_block"]
+)
 def test_block_sparse_gradients(name, dtype, device):
     L = 300
     q, k, v = make_qkv(1, 4, 2, L, L, 64, dtype=dtype, seed=len(name))
@@ -92,11 +103,20 @@ def test_block_sparse_gradients(name, dtype, device):
         ),  # the block kernel
         "window": lambda: patterns.sliding_window(L, 40, causal=True),  # its route: flash with a window
         "empty_rows": lambda: patterns.dilated_2d(L, 128, 3),  # rows that see no key
+        # A FlexAttention BlockMask converted (partial blocks get exact bits), and one passed as is.
+        "flex": lambda: sparse_attn.BlockSparseMask.from_flex(_flex_mask(L)),
+        "flex_block": lambda: _flex_mask(L),
     }[name]()
     fn = lambda q_, k_, v_: sparse_attn.block_sparse_attention(q_, k_, v_, mask, return_lse=True)  # noqa: E731
-    if device != "cpu":
-        mask = mask.to(device)
-    dense = lambda: mask.to_dense().cpu()  # noqa: E731
+    if name == "flex_block":  # Flex's BlockMask itself per call; the reference reads its converted form
+        converted = sparse_attn.BlockSparseMask.from_flex(mask)
+        dense = lambda: converted.to_dense()  # noqa: E731
+        if device != "cpu":
+            mask = _flex_mask(L, device)
+    else:
+        if device != "cpu":
+            mask = mask.to(device)
+        dense = lambda: mask.to_dense().cpu()  # noqa: E731
     dq, dk, dv = _check(f"block-sparse {name}", fn, dense, q, k, v, with_lse=True, device=device)
     if name == "empty_rows":
         empty = ~dense()[0, 0].any(-1)
