@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -22,9 +23,15 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 template <typename F>
 void dispatch_dtype(ScalarKind dtype, F&& f) {
   switch (dtype) {
-    case ScalarKind::kFloat32: f(float{}); break;
-    case ScalarKind::kBFloat16: f(bf16_t{}); break;
-    case ScalarKind::kFloat16: f(fp16_t{}); break;
+    case ScalarKind::kFloat32:
+      f(float{});
+      break;
+    case ScalarKind::kBFloat16:
+      f(bf16_t{});
+      break;
+    case ScalarKind::kFloat16:
+      f(fp16_t{});
+      break;
   }
 }
 
@@ -43,6 +50,110 @@ inline float dot(const float* a, const float* b, int n) {
 inline void axpy(float alpha, const float* x, float* y, int n) {
 #pragma omp simd
   for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// The inner loops of a (query tile, key tile) step, multiversioned on x86-64: GCC compiles each for
+// AVX-512, AVX2 and the baseline, and the loader picks the best the CPU has (the rest of this file
+// is compiled for the baseline ISA, so one build runs on every x86-64 CPU). Elsewhere: one version.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SA_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define SA_CPU_CLONES
+#endif
+//
+// s[r * kBlockN + c] = q[r] . kT[:, c] for r < rows: the key tile transposed (d rows of kBlockN
+// keys), four query rows at a time, the compiler vectorising over the keys.
+SA_CPU_CLONES void score_tile(const float* q, const float* kT, int rows, int d, float* s) {
+  constexpr int N = kBlockN;
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    float acc[4][N] = {};
+    for (int x = 0; x < d; ++x) {
+      const float* kr = kT + x * N;
+      const float q0 = q[(r + 0) * d + x], q1 = q[(r + 1) * d + x], q2 = q[(r + 2) * d + x],
+                  q3 = q[(r + 3) * d + x];
+      for (int c = 0; c < N; ++c) {
+        acc[0][c] += q0 * kr[c];
+        acc[1][c] += q1 * kr[c];
+        acc[2][c] += q2 * kr[c];
+        acc[3][c] += q3 * kr[c];
+      }
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < N; ++c) s[(r + i) * N + c] = acc[i][c];
+  }
+  for (; r < rows; ++r) {
+    float acc[N] = {};
+    for (int x = 0; x < d; ++x) {
+      const float qx = q[r * d + x];
+      for (int c = 0; c < N; ++c) acc[c] += qx * kT[x * N + c];
+    }
+    for (int c = 0; c < N; ++c) s[r * N + c] = acc[c];
+  }
+}
+
+// out[r, :dv] += sum over c < cols of p[r * kBlockN + c] * v[c, :dv] for r < rows, four rows and 64
+// columns at a time (the accumulators stay in registers). A zero p (a hidden key) adds exactly 0,
+// even where its value is NaN.
+SA_CPU_CLONES void pv_tile(const float* p, const float* v, int rows, int cols, int dv, float* out) {
+  constexpr int N = kBlockN, W = 64;
+  for (int x0 = 0; x0 < dv; x0 += W) {
+    const int w = std::min(W, dv - x0);
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      float acc[4][W] = {};
+      for (int c = 0; c < cols; ++c) {
+        const float* vr = v + c * dv + x0;
+        const float p0 = p[(r + 0) * N + c], p1 = p[(r + 1) * N + c], p2 = p[(r + 2) * N + c],
+                    p3 = p[(r + 3) * N + c];
+        if (p0 == 0.f && p1 == 0.f && p2 == 0.f && p3 == 0.f) continue;
+        for (int x = 0; x < w; ++x) {
+          const float vx = vr[x];
+          acc[0][x] += p0 != 0.f ? p0 * vx : 0.f;
+          acc[1][x] += p1 != 0.f ? p1 * vx : 0.f;
+          acc[2][x] += p2 != 0.f ? p2 * vx : 0.f;
+          acc[3][x] += p3 != 0.f ? p3 * vx : 0.f;
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int x = 0; x < w; ++x) out[(r + i) * dv + x0 + x] += acc[i][x];
+    }
+    for (; r < rows; ++r) {
+      float acc[W] = {};
+      for (int c = 0; c < cols; ++c) {
+        const float pc = p[r * N + c];
+        if (pc == 0.f) continue;
+        for (int x = 0; x < w; ++x) acc[x] += pc * v[c * dv + x0 + x];
+      }
+      for (int x = 0; x < w; ++x) out[r * dv + x0 + x] += acc[x];
+    }
+  }
+}
+
+// s[c] = 2^(s[c] - ref) for c < n, returning their sum. A polynomial on [-1/2, 1/2] (the Taylor
+// series of 2^f to degree 6: relative error below 2e-7, as std::exp2's fp32 rounding) times 2^k, so
+// the loop vectorises; -inf gives 0, NaN stays NaN, results below 2^-126 flush to 0.
+SA_CPU_CLONES float exp2_row(float* s, int n, float ref) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int c = 0; c < n; ++c) {
+    const float x = s[c] - ref;
+    const bool nan = x != x;
+    const float xc = nan ? 0.f : (x < -126.f ? -126.f : (x > 127.f ? 127.f : x));
+    const float k = std::nearbyint(xc);
+    const float f = xc - k;
+    const float poly =
+        1.f +
+        f * (0.69314718f +
+             f * (0.24022651f + f * (0.05550411f + f * (0.00961813f + f * (0.00133336f + f * 0.00015404f)))));
+    const int32_t bits = (int32_t(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    const float r = nan ? x : (x < -126.f ? 0.f : poly * scale);
+    s[c] = r;
+    sum += r;
+  }
+  return sum;
 }
 
 // "larger" in the top-k order: higher score first, lower index on ties; NaN counts as +inf so a
@@ -85,7 +196,7 @@ void tiled_attention(const AttnFwdParams& p) {
   const int D = p.d, Dv = p.dv;
 #pragma omp parallel
   {
-    std::vector<float> qf(kBlockM * D), kf(kBlockN * D), vf(kBlockN * Dv), s(kBlockM * kBlockN),
+    std::vector<float> qf(kBlockM * D), kf(D), kT(D * kBlockN), vf(kBlockN * Dv), s(kBlockM * kBlockN),
         acc(kBlockM * Dv), m(kBlockM), l(kBlockM);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
@@ -105,24 +216,33 @@ void tiled_attention(const AttnFwdParams& p) {
         const int n0 = tiles.n_block(it) * kBlockN;
         const int cols = std::min(kBlockN, p.lk - n0);
         if (cols <= 0) continue;
-        for (int c = 0; c < cols; ++c) {
-          load_row(k_row<T>(p, b, hk, n0 + c), D, &kf[c * D]);
-          load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vf[c * Dv]);
+        for (int c = 0; c < kBlockN; ++c) {  // K transposed (missing keys: zero columns), V as rows
+          if (c < cols) {
+            load_row(k_row<T>(p, b, hk, n0 + c), D, kf.data());
+            load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vf[c * Dv]);
+          }
+          for (int x = 0; x < D; ++x) kT[x * kBlockN + c] = c < cols ? kf[x] : 0.f;
         }
+        score_tile(qf.data(), kT.data(), rows, D, s.data());
         const bool need_mask = tiles.tile_needs_mask(it);
         for (int r = 0; r < rows; ++r) {
           float* sr = &s[r * kBlockN];
-          float mx = kNegInf;
-          bool nan = false;
-          const uint64_t bits = need_mask ? tiles.visible_bits(it, m0 + r) : ~uint64_t(0);
-          for (int c = 0; c < cols; ++c) {
-            float x = dot(&qf[r * D], &kf[c * D], D);
-            if (!((bits >> c) & 1u)) x = kNegInf;
-            sr[c] = x;
-            if (x > mx) mx = x;
-            nan |= std::isnan(x);
+          if (need_mask) {
+            const uint64_t bits = tiles.visible_bits(it, m0 + r);
+            for (int c = 0; c < cols; ++c)
+              if (!((bits >> c) & 1u)) sr[c] = kNegInf;
           }
-          if (mx == kNegInf && !nan) continue;  // nothing visible in this tile for this row
+          float mx = kNegInf;
+          int nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+          for (int c = 0; c < cols; ++c) {
+            mx = sr[c] > mx ? sr[c] : mx;  // a NaN score stays out of the max
+            nan |= sr[c] != sr[c];
+          }
+          if (mx == kNegInf && !nan) {  // nothing visible in this tile for this row
+            std::fill(sr, sr + cols, 0.f);
+            continue;
+          }
           // A NaN score is not part of the max; exp2(NaN) carries it into l and the output.
           const float m_new = std::max(m[r], mx);
           const float m_ref = softmax_ref(m_new);
@@ -132,13 +252,10 @@ void tiled_attention(const AttnFwdParams& p) {
             l[r] *= alpha;
             for (int c = 0; c < Dv; ++c) ar[c] *= alpha;
           }
-          for (int c = 0; c < cols; ++c) {
-            const float pc = std::exp2(sr[c] - m_ref);
-            l[r] += pc;
-            if (pc != 0.f || std::isnan(pc)) axpy(pc, &vf[c * Dv], ar, Dv);
-          }
+          l[r] += exp2_row(sr, cols, m_ref);
           m[r] = m_new;
         }
+        pv_tile(s.data(), vf.data(), rows, cols, Dv, acc.data());
       }
       for (int r = 0; r < rows; ++r) finalize_row<T>(p, b, h, m0 + r, &acc[r * Dv], m[r], l[r]);
     }
@@ -161,8 +278,8 @@ void dense_impl(const AttnFwdParams& p) {
       float* srow = p.scores + w * p.lk;
       // 1. S = scale * Q K^T (+ mask)
       load_row(q_row<T>(p, b, h, i), D, qf.data(), p.scale);
-      const int64_t mbase = int64_t(b) * p.mask_batch_stride + int64_t(h) * p.mask_head_stride +
-                            int64_t(i) * p.mask_row_stride;
+      const int64_t mbase =
+          int64_t(b) * p.mask_batch_stride + int64_t(h) * p.mask_head_stride + int64_t(i) * p.mask_row_stride;
       for (int j = 0; j < p.lk; ++j) {
         load_row(k_row<T>(p, b, hk, j), D, kf.data());
         float x = dot(qf.data(), kf.data(), D);
@@ -183,7 +300,10 @@ void dense_impl(const AttnFwdParams& p) {
       float sum = 0.f;
       if (mx != kNegInf || nan) {
         const float m_ref = mx == kNegInf ? 0.f : mx;
-        for (int j = 0; j < p.lk; ++j) { srow[j] = std::exp(srow[j] - m_ref); sum += srow[j]; }
+        for (int j = 0; j < p.lk; ++j) {
+          srow[j] = std::exp(srow[j] - m_ref);
+          sum += srow[j];
+        }
         mx = m_ref;
       }
       float* lse = p.lse + w;
@@ -284,8 +404,9 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
       }
       load_row(q_row<T>(p, b, h, i), D, q.data());
       load_row(o_row<T>(p, b, h, i), Dv, o.data());
-      load_row(static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride + i * g.do_row_stride,
-               Dv, dout.data());
+      load_row(
+          static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride + i * g.do_row_stride,
+          Dv, dout.data());
       const float d_row = dot(dout.data(), o.data(), Dv) - (g.dlse != nullptr ? g.dlse[row] : 0.f);
       keys(b, h, i, [&](int j) {
         const float* kj = &kf[int64_t(j) * D];
@@ -355,18 +476,22 @@ void select_impl(const TopkSelectParams& p) {
         for (int j = 0; j < p.hi; ++j) load_row(iq + j * p.iq_head_stride, p.di, &qf[int64_t(j) * p.di]);
         load_row(iw, p.hi, wf.data());
         for (int64_t t = 0; t < nv; ++t) {
-          load_row(static_cast<const T*>(p.ik) + b * p.ik_batch_stride + t * p.ik_row_stride, p.di, kf.data());
+          load_row(static_cast<const T*>(p.ik) + b * p.ik_batch_stride + t * p.ik_row_stride, p.di,
+                   kf.data());
           float x = 0.f;
-          for (int j = 0; j < p.hi; ++j) x += wf[j] * std::max(dot(&qf[int64_t(j) * p.di], kf.data(), p.di), 0.f);
+          for (int j = 0; j < p.hi; ++j)
+            x += wf[j] * std::max(dot(&qf[int64_t(j) * p.di], kf.data(), p.di), 0.f);
           s[t] = x;
         }
       } else {
         const int hk = hs / p.h_per_kv;
-        load_row(static_cast<const T*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride + int64_t(i) * p.q_row_stride,
+        load_row(static_cast<const T*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride +
+                     int64_t(i) * p.q_row_stride,
                  p.d, qf.data());
         for (int64_t t = 0; t < nv; ++t) {
-          load_row(static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + t * p.k_row_stride,
-                   p.d, kf.data());
+          load_row(
+              static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + t * p.k_row_stride,
+              p.d, kf.data());
           s[t] = dot(qf.data(), kf.data(), p.d);
         }
       }
@@ -396,7 +521,8 @@ void flash_fwd(const AttnFwdParams& p) {
 }
 
 void block_sparse_fwd(const AttnFwdParams& p) {
-  dispatch_dtype(p.dtype, [&](auto t) { tiled_attention<decltype(t), BlockSparseTiles<kBlockM, kBlockN>>(p); });
+  dispatch_dtype(p.dtype,
+                 [&](auto t) { tiled_attention<decltype(t), BlockSparseTiles<kBlockM, kBlockN>>(p); });
 }
 
 void gather_fwd(const AttnFwdParams& p) {

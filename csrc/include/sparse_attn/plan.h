@@ -49,7 +49,7 @@ constexpr FlashTile flash_fwd_fp32_tile() { return {16, 32, 4}; }
 
 // CPU core: query rows x keys per tile of one thread; block-sparse masks need q_block % 32 == 0
 // and kv_block % 64 == 0 (64 and 128 do).
-constexpr FlashTile flash_fwd_cpu_tile() { return {32, 64, 1}; }
+constexpr FlashTile flash_fwd_cpu_tile() { return {64, 64, 1}; }
 
 // The compiled head dimension that serves a head dimension d <= 256 (a multiple of 8): loads
 // are predicated on d, so padding costs time but never correctness.
