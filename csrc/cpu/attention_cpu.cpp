@@ -194,16 +194,29 @@ void tiled_attention(const AttnFwdParams& p) {
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
   const int64_t work = int64_t(p.b) * p.h * num_m;
   const int D = p.d, Dv = p.dv;
+  // Each thread keeps the key tiles of the (batch, kv head) it works on converted to fp32 (K
+  // transposed), each tile converted on first use, so the query tiles of a head (adjacent in the
+  // work order) share them; above kKVCacheBytes per thread one slot is reconverted per use.
+  const int num_n = (p.lk + kBlockN - 1) / kBlockN;
+  constexpr int64_t kKVCacheBytes = int64_t(256) << 20;
+  const bool cache = int64_t(num_n) * kBlockN * (D + Dv) * 4 <= kKVCacheBytes;
 #pragma omp parallel
   {
-    std::vector<float> qf(kBlockM * D), kf(D), kT(D * kBlockN), vf(kBlockN * Dv), s(kBlockM * kBlockN),
-        acc(kBlockM * Dv), m(kBlockM), l(kBlockM);
+    const int slots = cache ? num_n : 1;
+    std::vector<float> qf(kBlockM * D), kf(D), kT(int64_t(slots) * D * kBlockN),
+        vf(int64_t(slots) * kBlockN * Dv), s(kBlockM * kBlockN), acc(kBlockM * Dv), m(kBlockM), l(kBlockM);
+    std::vector<uint8_t> ready(slots, 0);
+    int64_t cached_head = -1;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
       const int m_block = int(w % num_m);
       const int h = int((w / num_m) % p.h);
       const int b = int(w / (int64_t(num_m) * p.h));
       const int hk = h / p.h_per_kv;
+      if (int64_t(b) * p.h_kv + hk != cached_head) {
+        cached_head = int64_t(b) * p.h_kv + hk;
+        std::fill(ready.begin(), ready.end(), 0);
+      }
       const int m0 = m_block * kBlockM;
       const int rows = std::min(kBlockM, p.lq - m0);
       for (int r = 0; r < rows; ++r) load_row(q_row<T>(p, b, h, m0 + r), D, &qf[r * D], p.scale_log2);
@@ -216,14 +229,20 @@ void tiled_attention(const AttnFwdParams& p) {
         const int n0 = tiles.n_block(it) * kBlockN;
         const int cols = std::min(kBlockN, p.lk - n0);
         if (cols <= 0) continue;
-        for (int c = 0; c < kBlockN; ++c) {  // K transposed (missing keys: zero columns), V as rows
-          if (c < cols) {
-            load_row(k_row<T>(p, b, hk, n0 + c), D, kf.data());
-            load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vf[c * Dv]);
+        const int slot = cache ? tiles.n_block(it) : 0;
+        float* kTs = &kT[int64_t(slot) * D * kBlockN];
+        float* vfs = &vf[int64_t(slot) * kBlockN * Dv];
+        if (!cache || !ready[slot]) {
+          for (int c = 0; c < kBlockN; ++c) {  // K transposed (missing keys: zero columns), V as rows
+            if (c < cols) {
+              load_row(k_row<T>(p, b, hk, n0 + c), D, kf.data());
+              load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vfs[c * Dv]);
+            }
+            for (int x = 0; x < D; ++x) kTs[x * kBlockN + c] = c < cols ? kf[x] : 0.f;
           }
-          for (int x = 0; x < D; ++x) kT[x * kBlockN + c] = c < cols ? kf[x] : 0.f;
+          ready[slot] = 1;
         }
-        score_tile(qf.data(), kT.data(), rows, D, s.data());
+        score_tile(qf.data(), kTs, rows, D, s.data());
         const bool need_mask = tiles.tile_needs_mask(it);
         for (int r = 0; r < rows; ++r) {
           float* sr = &s[r * kBlockN];
@@ -255,7 +274,7 @@ void tiled_attention(const AttnFwdParams& p) {
           l[r] += exp2_row(sr, cols, m_ref);
           m[r] = m_new;
         }
-        pv_tile(s.data(), vf.data(), rows, cols, Dv, acc.data());
+        pv_tile(s.data(), vfs, rows, cols, Dv, acc.data());
       }
       for (int r = 0; r < rows; ++r) finalize_row<T>(p, b, h, m0 + r, &acc[r * Dv], m[r], l[r]);
     }
