@@ -130,6 +130,33 @@ SA_CPU_CLONES void pv_tile(const float* p, const float* v, int rows, int cols, i
   }
 }
 
+// out[c, :width] += sum over r < rows of p[r * kBlockN + c] * a[r, :width] for c < cols (P^T A: the
+// key-side products of the backward), four keys and 64 columns at a time; zero p add exactly 0.
+SA_CPU_CLONES void ptv_tile(const float* p, const float* a, int rows, int cols, int width, float* out) {
+  constexpr int N = kBlockN, W = 64;
+  for (int x0 = 0; x0 < width; x0 += W) {
+    const int w = std::min(W, width - x0);
+    for (int c0 = 0; c0 < cols; c0 += 4) {
+      float acc[4][W] = {};
+      for (int r = 0; r < rows; ++r) {
+        const float* ar = a + r * width + x0;
+        float pc[4];
+        for (int i = 0; i < 4; ++i) pc[i] = c0 + i < cols ? p[r * N + c0 + i] : 0.f;
+        if (pc[0] == 0.f && pc[1] == 0.f && pc[2] == 0.f && pc[3] == 0.f) continue;
+        for (int x = 0; x < w; ++x) {
+          const float ax = ar[x];
+          acc[0][x] += pc[0] != 0.f ? pc[0] * ax : 0.f;
+          acc[1][x] += pc[1] != 0.f ? pc[1] * ax : 0.f;
+          acc[2][x] += pc[2] != 0.f ? pc[2] * ax : 0.f;
+          acc[3][x] += pc[3] != 0.f ? pc[3] * ax : 0.f;
+        }
+      }
+      for (int i = 0; i < 4 && c0 + i < cols; ++i)
+        for (int x = 0; x < w; ++x) out[(c0 + i) * width + x0 + x] += acc[i][x];
+    }
+  }
+}
+
 // s[c] = 2^(s[c] - ref) for c < n, returning their sum. A polynomial on [-1/2, 1/2] (the Taylor
 // series of 2^f to degree 6: relative error below 2e-7, as std::exp2's fp32 rounding) times 2^k, so
 // the loop vectorises; -inf gives 0, NaN stays NaN, results below 2^-126 flush to 0.
@@ -397,8 +424,8 @@ void gather_impl(const AttnFwdParams& p) {
 // then dV_j += p_ij dO_i, dQ_i += scale ds_ij k_j, dK_j += scale ds_ij q_i. A row that saw no key
 // (LSE -inf) has zero gradients.
 
-// The backward of one (batch, kv head): every query row of its group, through `keys(b, h, i, f)`
-// calling f(j) for each key j row i sees (in the forward's order).
+// The backward of one (batch, kv head) row by row (top-k's gathered keys): every query row of its
+// group, through `keys(b, h, i, f)` calling f(j) for each key j row i sees.
 template <typename T, typename Keys>
 void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys, std::vector<float>& kf,
                         std::vector<float>& vf, std::vector<float>& dk, std::vector<float>& dv) {
@@ -445,6 +472,110 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
   for (int64_t x = 0; x < int64_t(p.lk) * Dv; ++x) dv_out[x] = from_float<T>(dv[x]);
 }
 
+// The same backward over the forward's key-tile iterator, as tile products (score_tile, pv_tile,
+// ptv_tile): per 64-row query tile and 64-key tile S = Q K^T, P, dP = dO V^T, dS, then dV += P^T dO,
+// dK += dS^T Q, dQ += dS K. The key tiles of the (batch, kv head) are held transposed (K^T, V^T)
+// and as rows (K, V); dK and dV accumulate over the group's query heads, in a fixed order.
+struct BwdHeadBuffers {
+  std::vector<float> kf, vf, kT, vT, dk, dv, qf, dof, s, dp, dq;
+};
+
+template <typename T, typename Tiles>
+void attention_bwd_head_tiled(const AttnBwdParams& g, int b, int hk, BwdHeadBuffers& w) {
+  const AttnFwdParams& p = g.fwd;
+  const int D = p.d, Dv = p.dv, N = kBlockN;
+  std::fill(w.kT.begin(), w.kT.end(), 0.f);
+  std::fill(w.vT.begin(), w.vT.end(), 0.f);
+  for (int j = 0; j < p.lk; ++j) {
+    float* kj = &w.kf[int64_t(j) * D];
+    float* vj = &w.vf[int64_t(j) * Dv];
+    load_row(k_row<T>(p, b, hk, j), D, kj);
+    load_row(v_row<T>(p, b, hk, j), Dv, vj);
+    const int64_t t = j / N, c = j % N;
+    for (int x = 0; x < D; ++x) w.kT[(t * D + x) * N + c] = kj[x];
+    for (int x = 0; x < Dv; ++x) w.vT[(t * Dv + x) * N + c] = vj[x];
+  }
+  std::fill(w.dk.begin(), w.dk.end(), 0.f);
+  std::fill(w.dv.begin(), w.dv.end(), 0.f);
+  const int num_m = (p.lq + kBlockM - 1) / kBlockM;
+  float lse2[kBlockM], delta[kBlockM];
+  for (int h = hk * p.h_per_kv; h < (hk + 1) * p.h_per_kv; ++h) {
+    for (int m_block = 0; m_block < num_m; ++m_block) {
+      const int m0 = m_block * kBlockM, rows = std::min(kBlockM, p.lq - m0);
+      std::vector<float> o(Dv);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t row = (int64_t(b) * p.h + h) * p.lq + m0 + r;
+        load_row(q_row<T>(p, b, h, m0 + r), D, &w.qf[r * D]);
+        load_row(static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride +
+                     int64_t(m0 + r) * g.do_row_stride,
+                 Dv, &w.dof[r * Dv]);
+        load_row(o_row<T>(p, b, h, m0 + r), Dv, o.data());
+        delta[r] = dot(&w.dof[r * Dv], o.data(), Dv) - (g.dlse != nullptr ? g.dlse[row] : 0.f);
+        const float lse = p.lse[row];  // -inf (no key seen): +inf in log2 units, so every P is 0
+        lse2[r] = lse == kNegInf ? std::numeric_limits<float>::infinity() : lse * float(M_LOG2E);
+      }
+      std::fill(w.dq.begin(), w.dq.end(), 0.f);
+      const Tiles tiles(p, b, h, m_block);
+      for (int it = 0; it < tiles.num_tiles(); ++it) {
+        const int nb = tiles.n_block(it), n0 = nb * N, cols = std::min(N, p.lk - n0);
+        if (cols <= 0) continue;
+        score_tile(w.qf.data(), &w.kT[int64_t(nb) * D * N], rows, D, w.s.data());
+        score_tile(w.dof.data(), &w.vT[int64_t(nb) * Dv * N], rows, Dv, w.dp.data());
+        const bool need_mask = tiles.tile_needs_mask(it);
+        for (int r = 0; r < rows; ++r) {
+          float* sr = &w.s[r * N];
+          float* dpr = &w.dp[r * N];
+          for (int c = 0; c < cols; ++c) sr[c] *= p.scale_log2;
+          if (need_mask) {
+            const uint64_t bits = tiles.visible_bits(it, m0 + r);
+            for (int c = 0; c < cols; ++c)
+              if (!((bits >> c) & 1u)) sr[c] = kNegInf;
+          }
+          exp2_row(sr, cols, lse2[r]);  // P (0 where hidden)
+          for (int c = cols; c < N; ++c) sr[c] = 0.f;
+          for (int c = 0; c < N; ++c) dpr[c] = sr[c] != 0.f ? sr[c] * (dpr[c] - delta[r]) : 0.f;  // dS
+        }
+        ptv_tile(w.s.data(), w.dof.data(), rows, cols, Dv, &w.dv[int64_t(n0) * Dv]);
+        ptv_tile(w.dp.data(), w.qf.data(), rows, cols, D, &w.dk[int64_t(n0) * D]);
+        pv_tile(w.dp.data(), &w.kf[int64_t(n0) * D], rows, cols, D, w.dq.data());
+      }
+      for (int r = 0; r < rows; ++r) {
+        T* dq_out = static_cast<T*>(g.dq) + ((int64_t(b) * p.h + h) * p.lq + m0 + r) * D;
+        for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(w.dq[r * D + c] * p.scale);
+      }
+    }
+  }
+  T* dk_out = static_cast<T*>(g.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * D;
+  T* dv_out = static_cast<T*>(g.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * Dv;
+  for (int64_t x = 0; x < int64_t(p.lk) * D; ++x) dk_out[x] = from_float<T>(w.dk[x] * p.scale);
+  for (int64_t x = 0; x < int64_t(p.lk) * Dv; ++x) dv_out[x] = from_float<T>(w.dv[x]);
+}
+
+template <typename T, typename Tiles>
+void attention_bwd_tiled(const AttnBwdParams& g) {
+  const AttnFwdParams& p = g.fwd;
+  const int64_t work = int64_t(p.b) * p.h_kv;
+  const int64_t keys = int64_t((p.lk + kBlockN - 1) / kBlockN) * kBlockN;
+#pragma omp parallel
+  {
+    BwdHeadBuffers w;
+    w.kf.resize(int64_t(p.lk) * p.d);
+    w.vf.resize(int64_t(p.lk) * p.dv);
+    w.kT.resize(keys * p.d);
+    w.vT.resize(keys * p.dv);
+    w.dk.resize(w.kf.size());
+    w.dv.resize(w.vf.size());
+    w.qf.resize(kBlockM * p.d);
+    w.dof.resize(kBlockM * p.dv);
+    w.s.resize(kBlockM * kBlockN);
+    w.dp.resize(kBlockM * kBlockN);
+    w.dq.resize(kBlockM * p.d);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t x = 0; x < work; ++x)
+      attention_bwd_head_tiled<T, Tiles>(g, int(x / p.h_kv), int(x % p.h_kv), w);
+  }
+}
+
 template <typename T, typename Keys>
 void attention_bwd(const AttnBwdParams& g, const Keys& keys) {
   const AttnFwdParams& p = g.fwd;
@@ -456,21 +587,6 @@ void attention_bwd(const AttnBwdParams& g, const Keys& keys) {
     for (int64_t w = 0; w < work; ++w)
       attention_bwd_head<T>(g, int(w / p.h_kv), int(w % p.h_kv), keys, kf, vf, dk, dv);
   }
-}
-
-// The keys of the forward's key-tile iterator (dense, causal, window, block-sparse).
-template <typename Tiles>
-auto tile_keys(const AttnFwdParams& p) {
-  return [&p](int b, int h, int i, auto&& f) {
-    const Tiles tiles(p, b, h, i / kBlockM);
-    for (int it = 0; it < tiles.num_tiles(); ++it) {
-      const int n0 = tiles.n_block(it) * kBlockN;
-      const int cols = std::min(kBlockN, p.lk - n0);
-      const uint64_t bits = tiles.tile_needs_mask(it) ? tiles.visible_bits(it, i) : ~uint64_t(0);
-      for (int c = 0; c < cols; ++c)
-        if ((bits >> c) & 1u) f(n0 + c);
-    }
-  };
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -549,15 +665,13 @@ void gather_fwd(const AttnFwdParams& p) {
 }
 
 void flash_bwd(const AttnBwdParams& g) {
-  dispatch_dtype(g.fwd.dtype, [&](auto t) {
-    attention_bwd<decltype(t)>(g, tile_keys<WindowTiles<kBlockM, kBlockN>>(g.fwd));
-  });
+  dispatch_dtype(g.fwd.dtype,
+                 [&](auto t) { attention_bwd_tiled<decltype(t), WindowTiles<kBlockM, kBlockN>>(g); });
 }
 
 void block_sparse_bwd(const AttnBwdParams& g) {
-  dispatch_dtype(g.fwd.dtype, [&](auto t) {
-    attention_bwd<decltype(t)>(g, tile_keys<BlockSparseTiles<kBlockM, kBlockN>>(g.fwd));
-  });
+  dispatch_dtype(g.fwd.dtype,
+                 [&](auto t) { attention_bwd_tiled<decltype(t), BlockSparseTiles<kBlockM, kBlockN>>(g); });
 }
 
 void gather_bwd(const AttnBwdParams& g) {
