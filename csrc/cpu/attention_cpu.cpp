@@ -477,7 +477,7 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
 // dK += dS^T Q, dQ += dS K. The key tiles of the (batch, kv head) are held transposed (K^T, V^T)
 // and as rows (K, V); dK and dV accumulate over the group's query heads, in a fixed order.
 struct BwdHeadBuffers {
-  std::vector<float> kf, vf, kT, vT, dk, dv, qf, dof, s, dp, dq;
+  std::vector<float> kf, vf, kT, vT, dk, dv, qf, dof, o, s, dp, dq;
 };
 
 template <typename T, typename Tiles>
@@ -502,15 +502,14 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, int b, int hk, BwdHeadBuff
   for (int h = hk * p.h_per_kv; h < (hk + 1) * p.h_per_kv; ++h) {
     for (int m_block = 0; m_block < num_m; ++m_block) {
       const int m0 = m_block * kBlockM, rows = std::min(kBlockM, p.lq - m0);
-      std::vector<float> o(Dv);
       for (int r = 0; r < rows; ++r) {
         const int64_t row = (int64_t(b) * p.h + h) * p.lq + m0 + r;
         load_row(q_row<T>(p, b, h, m0 + r), D, &w.qf[r * D]);
         load_row(static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride +
                      int64_t(m0 + r) * g.do_row_stride,
                  Dv, &w.dof[r * Dv]);
-        load_row(o_row<T>(p, b, h, m0 + r), Dv, o.data());
-        delta[r] = dot(&w.dof[r * Dv], o.data(), Dv) - (g.dlse != nullptr ? g.dlse[row] : 0.f);
+        load_row(o_row<T>(p, b, h, m0 + r), Dv, w.o.data());
+        delta[r] = dot(&w.dof[r * Dv], w.o.data(), Dv) - (g.dlse != nullptr ? g.dlse[row] : 0.f);
         const float lse = p.lse[row];  // -inf (no key seen): +inf in log2 units, so every P is 0
         lse2[r] = lse == kNegInf ? std::numeric_limits<float>::infinity() : lse * float(M_LOG2E);
       }
@@ -567,6 +566,7 @@ void attention_bwd_tiled(const AttnBwdParams& g) {
     w.dv.resize(w.vf.size());
     w.qf.resize(kBlockM * p.d);
     w.dof.resize(kBlockM * p.dv);
+    w.o.resize(p.dv);
     w.s.resize(kBlockM * kBlockN);
     w.dp.resize(kBlockM * kBlockN);
     w.dq.resize(kBlockM * p.d);
