@@ -94,8 +94,9 @@ SA_CPU_CLONES void score_tile(const float* q, const float* kT, int rows, int d, 
 
 // out[r, :dv] += sum over c < cols of p[r * kBlockN + c] * v[c, :dv] for r < rows, four rows and 64
 // columns at a time (the accumulators stay in registers). A zero p (a hidden key) adds exactly 0,
-// even where its value is NaN.
-SA_CPU_CLONES void pv_tile(const float* p, const float* v, int rows, int cols, int dv, float* out) {
+// even where its value is NaN; v_finite (the caller checked v's rows) skips that guard.
+SA_CPU_CLONES void pv_tile(const float* p, const float* v, int rows, int cols, int dv, float* out,
+                           bool v_finite = false) {
   constexpr int N = kBlockN, W = 64;
   for (int x0 = 0; x0 < dv; x0 += W) {
     const int w = std::min(W, dv - x0);
@@ -107,6 +108,16 @@ SA_CPU_CLONES void pv_tile(const float* p, const float* v, int rows, int cols, i
         const float p0 = p[(r + 0) * N + c], p1 = p[(r + 1) * N + c], p2 = p[(r + 2) * N + c],
                     p3 = p[(r + 3) * N + c];
         if (p0 == 0.f && p1 == 0.f && p2 == 0.f && p3 == 0.f) continue;
+        if (v_finite) {  // 0 * v is exactly 0: plain products
+          for (int x = 0; x < w; ++x) {
+            const float vx = vr[x];
+            acc[0][x] += p0 * vx;
+            acc[1][x] += p1 * vx;
+            acc[2][x] += p2 * vx;
+            acc[3][x] += p3 * vx;
+          }
+          continue;
+        }
         for (int x = 0; x < w; ++x) {
           const float vx = vr[x];
           acc[0][x] += p0 != 0.f ? p0 * vx : 0.f;
@@ -232,7 +243,7 @@ void tiled_attention(const AttnFwdParams& p) {
     const int slots = cache ? num_n : 1;
     std::vector<float> qf(kBlockM * D), kf(D), kT(int64_t(slots) * D * kBlockN),
         vf(int64_t(slots) * kBlockN * Dv), s(kBlockM * kBlockN), acc(kBlockM * Dv), m(kBlockM), l(kBlockM);
-    std::vector<uint8_t> ready(slots, 0);
+    std::vector<uint8_t> ready(slots, 0), finite(slots, 0);
     int64_t cached_head = -1;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
@@ -267,6 +278,9 @@ void tiled_attention(const AttnFwdParams& p) {
             }
             for (int x = 0; x < D; ++x) kTs[x * kBlockN + c] = c < cols ? kf[x] : 0.f;
           }
+          bool ok = true;
+          for (int64_t x = 0; x < int64_t(cols) * Dv; ++x) ok &= std::isfinite(vfs[x]);
+          finite[slot] = ok;
           ready[slot] = 1;
         }
         score_tile(qf.data(), kTs, rows, D, s.data());
@@ -301,7 +315,7 @@ void tiled_attention(const AttnFwdParams& p) {
           l[r] += exp2_row(sr, cols, m_ref);
           m[r] = m_new;
         }
-        pv_tile(s.data(), vfs, rows, cols, Dv, acc.data());
+        pv_tile(s.data(), vfs, rows, cols, Dv, acc.data(), finite[slot]);
       }
       for (int r = 0; r < rows; ++r) finalize_row<T>(p, b, h, m0 + r, &acc[r * Dv], m[r], l[r]);
     }
