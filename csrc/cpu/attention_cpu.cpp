@@ -47,6 +47,12 @@ inline float dot(const float* a, const float* b, int n) {
   return acc;
 }
 
+inline bool all_finite(const float* x, int64_t n) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok &= std::isfinite(x[i]);
+  return ok;
+}
+
 inline void axpy(float alpha, const float* x, float* y, int n) {
 #pragma omp simd
   for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
@@ -142,8 +148,10 @@ SA_CPU_CLONES void pv_tile(const float* p, const float* v, int rows, int cols, i
 }
 
 // out[c, :width] += sum over r < rows of p[r * kBlockN + c] * a[r, :width] for c < cols (P^T A: the
-// key-side products of the backward), four keys and 64 columns at a time; zero p add exactly 0.
-SA_CPU_CLONES void ptv_tile(const float* p, const float* a, int rows, int cols, int width, float* out) {
+// key-side products of the backward), four keys and 64 columns at a time; zero p add exactly 0
+// (a_finite: a's rows are finite, so plain products do).
+SA_CPU_CLONES void ptv_tile(const float* p, const float* a, int rows, int cols, int width, float* out,
+                            bool a_finite = false) {
   constexpr int N = kBlockN, W = 64;
   for (int x0 = 0; x0 < width; x0 += W) {
     const int w = std::min(W, width - x0);
@@ -154,6 +162,16 @@ SA_CPU_CLONES void ptv_tile(const float* p, const float* a, int rows, int cols, 
         float pc[4];
         for (int i = 0; i < 4; ++i) pc[i] = c0 + i < cols ? p[r * N + c0 + i] : 0.f;
         if (pc[0] == 0.f && pc[1] == 0.f && pc[2] == 0.f && pc[3] == 0.f) continue;
+        if (a_finite) {  // 0 * a is exactly 0: plain products
+          for (int x = 0; x < w; ++x) {
+            const float ax = ar[x];
+            acc[0][x] += pc[0] * ax;
+            acc[1][x] += pc[1] * ax;
+            acc[2][x] += pc[2] * ax;
+            acc[3][x] += pc[3] * ax;
+          }
+          continue;
+        }
         for (int x = 0; x < w; ++x) {
           const float ax = ar[x];
           acc[0][x] += pc[0] != 0.f ? pc[0] * ax : 0.f;
@@ -278,9 +296,7 @@ void tiled_attention(const AttnFwdParams& p) {
             }
             for (int x = 0; x < D; ++x) kTs[x * kBlockN + c] = c < cols ? kf[x] : 0.f;
           }
-          bool ok = true;
-          for (int64_t x = 0; x < int64_t(cols) * Dv; ++x) ok &= std::isfinite(vfs[x]);
-          finite[slot] = ok;
+          finite[slot] = all_finite(vfs, int64_t(cols) * Dv);
           ready[slot] = 1;
         }
         score_tile(qf.data(), kTs, rows, D, s.data());
@@ -511,6 +527,7 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, int b, int hk, BwdHeadBuff
   }
   std::fill(w.dk.begin(), w.dk.end(), 0.f);
   std::fill(w.dv.begin(), w.dv.end(), 0.f);
+  const bool k_finite = all_finite(w.kf.data(), int64_t(p.lk) * D);
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
   float lse2[kBlockM], delta[kBlockM];
   for (int h = hk * p.h_per_kv; h < (hk + 1) * p.h_per_kv; ++h) {
@@ -528,6 +545,8 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, int b, int hk, BwdHeadBuff
         lse2[r] = lse == kNegInf ? std::numeric_limits<float>::infinity() : lse * float(M_LOG2E);
       }
       std::fill(w.dq.begin(), w.dq.end(), 0.f);
+      const bool q_finite = all_finite(w.qf.data(), int64_t(rows) * D);
+      const bool do_finite = all_finite(w.dof.data(), int64_t(rows) * Dv);
       const Tiles tiles(p, b, h, m_block);
       for (int it = 0; it < tiles.num_tiles(); ++it) {
         const int nb = tiles.n_block(it), n0 = nb * N, cols = std::min(N, p.lk - n0);
@@ -548,9 +567,9 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, int b, int hk, BwdHeadBuff
           for (int c = cols; c < N; ++c) sr[c] = 0.f;
           for (int c = 0; c < N; ++c) dpr[c] = sr[c] != 0.f ? sr[c] * (dpr[c] - delta[r]) : 0.f;  // dS
         }
-        ptv_tile(w.s.data(), w.dof.data(), rows, cols, Dv, &w.dv[int64_t(n0) * Dv]);
-        ptv_tile(w.dp.data(), w.qf.data(), rows, cols, D, &w.dk[int64_t(n0) * D]);
-        pv_tile(w.dp.data(), &w.kf[int64_t(n0) * D], rows, cols, D, w.dq.data());
+        ptv_tile(w.s.data(), w.dof.data(), rows, cols, Dv, &w.dv[int64_t(n0) * Dv], do_finite);
+        ptv_tile(w.dp.data(), w.qf.data(), rows, cols, D, &w.dk[int64_t(n0) * D], q_finite);
+        pv_tile(w.dp.data(), &w.kf[int64_t(n0) * D], rows, cols, D, w.dq.data(), k_finite);
       }
       for (int r = 0; r < rows; ++r) {
         T* dq_out = static_cast<T*>(g.dq) + ((int64_t(b) * p.h + h) * p.lq + m0 + r) * D;
