@@ -98,6 +98,30 @@ SA_CPU_CLONES void score_tile(const float* q, const float* kT, int rows, int d, 
   }
 }
 
+// acc[i][:w] += pc[i] * a[:w] for the four i, where a zero pc[i] adds exactly 0 even against a NaN
+// in a; `finite` (a's values are finite) allows plain products, which give the same. Inlined into
+// each clone of its callers, so it takes their instruction set.
+__attribute__((always_inline)) inline void accumulate4(float (&acc)[4][64], const float (&pc)[4],
+                                                       const float* a, int w, bool finite) {
+  if (finite) {
+    for (int x = 0; x < w; ++x) {
+      const float ax = a[x];
+      acc[0][x] += pc[0] * ax;
+      acc[1][x] += pc[1] * ax;
+      acc[2][x] += pc[2] * ax;
+      acc[3][x] += pc[3] * ax;
+    }
+    return;
+  }
+  for (int x = 0; x < w; ++x) {
+    const float ax = a[x];
+    acc[0][x] += pc[0] != 0.f ? pc[0] * ax : 0.f;
+    acc[1][x] += pc[1] != 0.f ? pc[1] * ax : 0.f;
+    acc[2][x] += pc[2] != 0.f ? pc[2] * ax : 0.f;
+    acc[3][x] += pc[3] != 0.f ? pc[3] * ax : 0.f;
+  }
+}
+
 // out[r, :dv] += sum over c < cols of p[r * kBlockN + c] * v[c, :dv] for r < rows, four rows and 64
 // columns at a time (the accumulators stay in registers). A zero p (a hidden key) adds exactly 0,
 // even where its value is NaN; v_finite (the caller checked v's rows) skips that guard.
@@ -110,27 +134,9 @@ SA_CPU_CLONES void pv_tile(const float* p, const float* v, int rows, int cols, i
     for (; r + 4 <= rows; r += 4) {
       float acc[4][W] = {};
       for (int c = 0; c < cols; ++c) {
-        const float* vr = v + c * dv + x0;
-        const float p0 = p[(r + 0) * N + c], p1 = p[(r + 1) * N + c], p2 = p[(r + 2) * N + c],
-                    p3 = p[(r + 3) * N + c];
-        if (p0 == 0.f && p1 == 0.f && p2 == 0.f && p3 == 0.f) continue;
-        if (v_finite) {  // 0 * v is exactly 0: plain products
-          for (int x = 0; x < w; ++x) {
-            const float vx = vr[x];
-            acc[0][x] += p0 * vx;
-            acc[1][x] += p1 * vx;
-            acc[2][x] += p2 * vx;
-            acc[3][x] += p3 * vx;
-          }
-          continue;
-        }
-        for (int x = 0; x < w; ++x) {
-          const float vx = vr[x];
-          acc[0][x] += p0 != 0.f ? p0 * vx : 0.f;
-          acc[1][x] += p1 != 0.f ? p1 * vx : 0.f;
-          acc[2][x] += p2 != 0.f ? p2 * vx : 0.f;
-          acc[3][x] += p3 != 0.f ? p3 * vx : 0.f;
-        }
+        const float pc[4] = {p[(r + 0) * N + c], p[(r + 1) * N + c], p[(r + 2) * N + c], p[(r + 3) * N + c]};
+        if (pc[0] == 0.f && pc[1] == 0.f && pc[2] == 0.f && pc[3] == 0.f) continue;
+        accumulate4(acc, pc, v + c * dv + x0, w, v_finite);
       }
       for (int i = 0; i < 4; ++i)
         for (int x = 0; x < w; ++x) out[(r + i) * dv + x0 + x] += acc[i][x];
@@ -158,27 +164,10 @@ SA_CPU_CLONES void ptv_tile(const float* p, const float* a, int rows, int cols, 
     for (int c0 = 0; c0 < cols; c0 += 4) {
       float acc[4][W] = {};
       for (int r = 0; r < rows; ++r) {
-        const float* ar = a + r * width + x0;
         float pc[4];
         for (int i = 0; i < 4; ++i) pc[i] = c0 + i < cols ? p[r * N + c0 + i] : 0.f;
         if (pc[0] == 0.f && pc[1] == 0.f && pc[2] == 0.f && pc[3] == 0.f) continue;
-        if (a_finite) {  // 0 * a is exactly 0: plain products
-          for (int x = 0; x < w; ++x) {
-            const float ax = ar[x];
-            acc[0][x] += pc[0] * ax;
-            acc[1][x] += pc[1] * ax;
-            acc[2][x] += pc[2] * ax;
-            acc[3][x] += pc[3] * ax;
-          }
-          continue;
-        }
-        for (int x = 0; x < w; ++x) {
-          const float ax = ar[x];
-          acc[0][x] += pc[0] != 0.f ? pc[0] * ax : 0.f;
-          acc[1][x] += pc[1] != 0.f ? pc[1] * ax : 0.f;
-          acc[2][x] += pc[2] != 0.f ? pc[2] * ax : 0.f;
-          acc[3][x] += pc[3] != 0.f ? pc[3] * ax : 0.f;
-        }
+        accumulate4(acc, pc, a + r * width + x0, w, a_finite);
       }
       for (int i = 0; i < 4 && c0 + i < cols; ++i)
         for (int x = 0; x < w; ++x) out[(c0 + i) * width + x0 + x] += acc[i][x];
