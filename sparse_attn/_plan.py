@@ -143,15 +143,11 @@ def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target) ->
     if cc == 0:
         major, minor = torch.cuda.get_device_capability(query.device)
         cc = 10 * major + minor
-    tensor_cores = (
-        "gather_bwd" not in kernels
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and query.shape[-1] == value.shape[-1] <= 128
-    )
-    if "gather_bwd" in kernels and query.dtype != torch.float32 and query.shape[-1] == value.shape[-1] <= 128:
-        return f"{kernels} (CUDA tensor-core kernel: a token's heads per warp, dK and dV summed in fp32 with atomics)"
+    tensor_cores = query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] == value.shape[-1] <= 128
     if not tensor_cores:
         return f"{kernels} (CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics)"
+    if "gather_bwd" in kernels:
+        return f"{kernels} (CUDA tensor-core kernel: a token's heads per warp, dK and dV summed in fp32 with atomics)"
     if torch.are_deterministic_algorithms_enabled():
         return (
             f"{kernels} (deterministic: the {'Hopper' if cc == 90 else 'portable mma.sync'} kernel computes dK "
