@@ -54,6 +54,14 @@ def files() -> dict[str, str]:
             f"template cudaError_t sparse_attn::run_flash_fwd_fp32_<sparse_attn::Variant::{variant}>(\n"
             "    const sparse_attn::AttnFwdParams&, cudaStream_t);\n"
         )
+    for dname, dtype in DTYPES.items():
+        for hd in HEAD_DIMS:
+            out[f"decode_fwd_hdim{hd}_{dname}.cu"] = (
+                HEADER + '#include "sparse_attn/cuda/decode_fwd.cuh"\n\n'
+                "template cudaError_t sparse_attn::run_decode_fwd_<sparse_attn::ScalarKind::"
+                f"{dtype}, {hd}>(\n"
+                "    const sparse_attn::DecodeParams&, const sparse_attn::DecodePlan&, cudaStream_t);\n"
+            )
     for dname, dtype in DENSE_DTYPES.items():
         out[f"dense_fwd_{dname}.cu"] = (
             HEADER + '#include "sparse_attn/cuda/dense_fwd.cuh"\n\n'

@@ -18,12 +18,13 @@ from . import (
 )
 from ._plan import explain
 from .masks import BlockSparseMask, ExactForm
-from .ops import block_sparse_attention, dense_attention, flash_attention, topk_attention
+from .ops import attention_with_kvcache, block_sparse_attention, dense_attention, flash_attention, topk_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockSparseMask",
+    "attention_with_kvcache",
     "ExactForm",
     "analysis",
     "block_sparse_attention",

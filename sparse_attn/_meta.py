@@ -120,6 +120,28 @@ def _gather_fwd(query, key, value, indices, scale=None):
     return _outputs(query, value)
 
 
+@torch.library.register_fake("sparse_attn::kvcache_fwd")
+def _kvcache_fwd(
+    query,
+    key_cache,
+    value_cache,
+    cache_seqlens,
+    key=None,
+    value=None,
+    block_table=None,
+    kv_num_blocks=None,
+    kv_indices=None,
+    kv_block=0,
+    scale=None,
+    window_left=-1,
+    window_right=-1,
+):
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache), ("cache_seqlens", cache_seqlens)):
+        _check(t.device == query.device, f"{name} must be on the same device as query ({query.device}), got {t.device}")
+    _check(query.dim() == 4 and value_cache.dim() == 4, "query and the caches must be 4-D")
+    return _outputs(query, value_cache)
+
+
 @torch.library.register_fake("sparse_attn::_check_inputs")
 def _check_inputs(query, key, value):
     return None

@@ -287,11 +287,39 @@ def _explain_topk(a, tgt) -> Plan:
     return Plan("topk_attention", route.kind, route.why, (select, gather))
 
 
+def _explain_kvcache(a, tgt) -> Plan:
+    from . import _kvcache
+
+    q, kc, vc, lens = a["query"], a["key_cache"], a["value_cache"], a["cache_seqlens"]
+    left, right = _args.window_bounds(a["window"])
+    if a["causal"]:
+        right = 0
+    bt = a["block_table"]
+    cap = _kvcache.capacity(kc, bt)
+    cnt, idx, kv_block = _kvcache.mask_tensors(a["mask"], q, kc, bt, cap)
+    text = _ops._plan_kvcache.default(q, kc, vc, lens, a["key"], a["value"], bt, cnt, idx, kv_block, left, right, *tgt)
+    launch = _launch("kvcache_fwd" if text.startswith("core=portable") else "dense_fwd", text)
+    if launch.kernel == "dense_fwd":
+        why = "composite path: the cache gathered per sequence, then dense_attention's kernel with the element mask"
+        return Plan("attention_with_kvcache", "composite", why, (launch,))
+    splits = launch.options["num_splits"]
+    why = (
+        "split-KV decode: each (batch, K/V head) pair's keys split over several CTAs, merged by their LSEs"
+        if splits > 1
+        else "decode: one CTA per (batch, K/V head, row chunk) reads its share of the cache once"
+    )
+    launches = (launch,)
+    if splits > 1:
+        launches += (Launch("decode_combine", "cuda_cores", why=("merges the splits' O and LSE in fp32",)),)
+    return Plan("attention_with_kvcache", "decode_split_kv" if splits > 1 else "decode", why, launches)
+
+
 _EXPLAIN = {
     "dense_attention": _explain_dense,
     "flash_attention": _explain_flash,
     "block_sparse_attention": _explain_block_sparse,
     "topk_attention": _explain_topk,
+    "attention_with_kvcache": _explain_kvcache,
 }
 
 
@@ -307,7 +335,7 @@ def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
     Parameters
     ----------
     op : callable or str
-        One of the four ops (``sparse_attn.flash_attention`` or ``"flash_attention"``, ...).
+        One of the ops (``sparse_attn.flash_attention`` or ``"flash_attention"``, ...).
     *args, **kwargs
         The op's arguments, exactly as the call would pass them.
     target : {"sm80", "sm90"}, optional
@@ -360,6 +388,7 @@ _DEFAULTS = {
     "per_tile_grid": False,
     "merge_boundary": None,
     "select_workspace_bytes": 0,
+    "decode_splits": 0,
 }
 _current = dict(_DEFAULTS)
 
@@ -374,6 +403,7 @@ def _apply(options: dict) -> None:
         bool(options["per_tile_grid"]),
         -1 if merge is None else int(bool(merge)),
         int(options["select_workspace_bytes"]),
+        int(options["decode_splits"]),
     )
 
 
@@ -387,7 +417,8 @@ def overrides(**changes):
       (128, 128), (128, 192)), taken where the table has it;
     - ``per_tile_grid=True``: the Hopper core with one CTA per tile instead of persistent CTAs;
     - ``merge_boundary=True/False``: the Hopper core's merged tile boundary on or off;
-    - ``select_workspace_bytes=n``: top-k selection's score workspace.
+    - ``select_workspace_bytes=n``: top-k selection's score workspace;
+    - ``decode_splits=n``: attention_with_kvcache's split-KV count (at most its key tiles).
 
     ``explain`` shows the plan with them in force.
     """

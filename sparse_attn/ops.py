@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from . import _args, _plan, _routes
+from . import _args, _kvcache, _plan, _routes
 
-__all__ = ["dense_attention", "flash_attention", "block_sparse_attention", "topk_attention"]
+__all__ = [
+    "attention_with_kvcache",
+    "block_sparse_attention",
+    "dense_attention",
+    "flash_attention",
+    "topk_attention",
+]
 
 _ops = torch.ops.sparse_attn
 
@@ -283,3 +289,92 @@ def topk_attention(
         indices = _ops.topk_select.default(query, key, k, bool(causal))
     out, lse = _ops.gather_fwd.default(query, key, value, indices, scale)
     return _result(out, lse, indices, return_lse, return_indices)
+
+
+def attention_with_kvcache(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    window: int | tuple[int | None, int | None] | None = None,
+    mask=None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    validate: bool | None = None,
+):
+    """Attention of a few new tokens over a KV cache (decode and chunked prefill), FlashAttention's
+    ``flash_attn_with_kvcache`` contract.
+
+    On CUDA (bf16/fp16, Dv == D) one split-KV kernel reads the cache once at memory speed, with
+    the query heads of a K/V head sharing every load; the split count comes from the shapes and the
+    lengths are read on the device, so a call never waits for the host and replays in a CUDA graph
+    with new ``cache_seqlens`` and ``block_table``. Other inputs take a composite path (the cache
+    gathered per sequence, then ``dense_attention``'s kernel with the same element mask).
+
+    Parameters
+    ----------
+    query : Tensor (B, H, Lq, D)
+        The new tokens' queries (Lq = 1 for one decode step).
+    key_cache, value_cache : Tensor
+        Contiguous (B, Hkv, Lmax, D) / (B, Hkv, Lmax, Dv), or with ``block_table`` paged
+        (num_pages, page_size, Hkv, D) / (..., Dv). Written in place when ``key``/``value`` are given.
+    cache_seqlens : Tensor (B,), int32
+        Tokens already in each sequence's cache.
+    key, value : Tensor (B, Hkv, Lq, D) / (B, Hkv, Lq, Dv), optional
+        New keys and values, written at positions ``cache_seqlens[b] + i`` before attending. The
+        caller advances ``cache_seqlens`` afterwards.
+    block_table : Tensor (B, max_pages), int32, optional
+        Page of each sequence's ``p``-th block of ``page_size`` tokens (any page size >= 1).
+    causal : bool
+        Bottom-right aligned over cache + new tokens: query i sees key j iff
+        ``j <= i + Lk_b - Lq`` with ``Lk_b = cache_seqlens[b] (+ Lq when key is given)``.
+    window : int or (left, right), optional
+        ``flash_attention``'s window, relative to the same alignment.
+    mask : BlockSparseMask, optional
+        Sparse decode: the cache blocks to read, per sequence and K/V head (``(B|1, Hkv|1)``, one
+        query block, ``seq_lengths = (Lq, capacity)``, whole blocks of 64 or 128 tokens, e.g.
+        ``BlockSparseMask.from_block_matrix``), intersected with ``causal`` and ``window``. Only the
+        listed blocks are read.
+    scale : float, optional
+        Softmax scale, default ``1 / sqrt(D)``.
+    return_lse : bool
+        Also return the LSE, fp32 (B, H, Lq).
+    validate : bool, optional
+        Check ``cache_seqlens`` and ``block_table`` against the cache (ValueError naming the
+        entry). Default: on the CPU and on the composite path; on the CUDA kernel path only when
+        True, since it reads them on the host (one synchronisation). Unchecked, the kernel still
+        never reads or writes outside the cache: tokens past it and pages outside it are dropped.
+
+    Returns
+    -------
+    Tensor (B, H, Lq, Dv), or (out, lse).
+
+    Examples
+    --------
+    >>> import torch, sparse_attn
+    >>> cache_k = torch.zeros(2, 2, 64, 32); cache_v = torch.zeros(2, 2, 64, 32)
+    >>> lens = torch.tensor([5, 9], dtype=torch.int32)
+    >>> q = torch.randn(2, 4, 1, 32); k = v = torch.randn(2, 2, 1, 32)
+    >>> sparse_attn.attention_with_kvcache(q, cache_k, cache_v, lens, key=k, value=v).shape
+    torch.Size([2, 4, 1, 32])
+    """
+    left, right = _args.window_bounds(window)
+    if causal:
+        right = 0
+    scale = _args.scale(scale)
+    cap = _kvcache.capacity(key_cache, block_table)
+    cnt, idx, kv_block = _kvcache.mask_tensors(mask, query, key_cache, block_table, cap)
+    args = (query, key_cache, value_cache, cache_seqlens, key, value, block_table, cnt, idx, kv_block)
+    kernel = _ops._kvcache_route.default(*args) == 1  # checks every shape, dtype and device
+    if validate or (validate is None and not kernel):
+        _kvcache.validate(query, key_cache, cache_seqlens, key, block_table)
+    if kernel:
+        out, lse = _ops.kvcache_fwd.default(*args, scale, left, right)
+    else:
+        out, lse = _kvcache.composite(*args, scale, left, right)
+    return _result(out, lse, None, return_lse)

@@ -10,6 +10,8 @@ namespace {
 
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
+}  // namespace
+
 bool is_supported_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
@@ -27,8 +29,6 @@ void check_last_dim(const at::Tensor& t, const char* name) {
 void check_int32(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
 }
-
-}  // namespace
 
 ScalarKind scalar_kind(at::ScalarType t) {
   switch (t) {
@@ -463,6 +463,8 @@ namespace {
 
 CudaDeviceLookup cuda_device_lookup = nullptr;
 
+}  // namespace
+
 DeviceInfo planned_device(const at::Tensor& like, int64_t target_cc, int64_t target_sms) {
   if (target_cc > 0) {
     DeviceInfo device;
@@ -476,8 +478,6 @@ DeviceInfo planned_device(const at::Tensor& like, int64_t target_cc, int64_t tar
   TORCH_CHECK(cuda_device_lookup != nullptr, "this build of sparse_attn has no CUDA kernels");
   return cuda_device_lookup(like);
 }
-
-}  // namespace
 
 void set_cuda_device_lookup(CudaDeviceLookup lookup) { cuda_device_lookup = lookup; }
 

@@ -20,6 +20,12 @@ namespace sparse_attn {
 // Largest head dimension any op supports; every multiple of 8 up to it is accepted.
 constexpr int64_t kMaxHeadDim = 256;
 
+// Single-argument checks; the messages name the argument.
+bool is_supported_dtype(at::ScalarType t);
+void check_head_dim(int64_t d, const char* what);  // a multiple of 8 in [8, kMaxHeadDim]
+void check_last_dim(const at::Tensor& t, const char* name);  // unit stride
+void check_int32(const at::Tensor& t, const char* name);
+
 struct QkvShape {
   int64_t b, h, h_kv, lq, lk, d, dv;
 };
@@ -101,6 +107,10 @@ at::Tensor set_params_indexer(TopkSelectParams& params, const at::Tensor& index_
 using CudaDeviceLookup = DeviceInfo (*)(const at::Tensor& like);
 void set_cuda_device_lookup(CudaDeviceLookup lookup);
 
+// The device a plan is made for: the tensor's (the CPU: cc = 0), or with target_cc > 0 a GPU of
+// that compute capability with target_sms SMs.
+DeviceInfo planned_device(const at::Tensor& like, int64_t target_cc, int64_t target_sms);
+
 // The plans flash_fwd / block_sparse_fwd / gather_fwd / topk_select / indexer_select would take
 // for these inputs (their checks included), without running anything: on the inputs' device, or
 // with target_cc > 0 on a GPU of that compute capability with target_sms SMs (a build with its
@@ -116,5 +126,50 @@ std::string explain_select(const at::Tensor& query, const at::Tensor& key, int64
 std::string explain_indexer_select(const at::Tensor& index_query, const at::Tensor& index_key,
                                    const at::Tensor& index_weights, int64_t k, bool causal, int64_t target_cc,
                                    int64_t target_sms);
+
+// ---- attention_with_kvcache ----
+
+struct KvCacheShape {
+  int64_t b, h, h_kv, lq, d, dv;
+  bool paged;
+  int64_t num_pages, page_size, pages_per_seq;  // contiguous: B, Lmax, 1
+  int64_t capacity;                             // tokens one sequence's cache holds
+};
+
+// Checks the inputs of attention_with_kvcache against its layout contract (shapes, dtypes,
+// devices, strides; never the values of cache_seqlens or block_table, which may live on a GPU).
+KvCacheShape check_kvcache(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& key,
+                           const c10::optional<at::Tensor>& value, const c10::optional<at::Tensor>& block_table,
+                           const c10::optional<at::Tensor>& kv_num_blocks,
+                           const c10::optional<at::Tensor>& kv_indices, int64_t kv_block);
+
+// The decode params of a checked call (everything but the output, LSE and split workspaces).
+// query, key and value must already be the tensors the kernel reads (aligned copies).
+DecodeParams set_params_decode(const KvCacheShape& s, const at::Tensor& query, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& cache_seqlens,
+                               const c10::optional<at::Tensor>& key, const c10::optional<at::Tensor>& value,
+                               const c10::optional<at::Tensor>& block_table,
+                               const c10::optional<at::Tensor>& kv_num_blocks,
+                               const c10::optional<at::Tensor>& kv_indices, int64_t kv_block, double scale,
+                               int64_t window_left, int64_t window_right);
+
+// Whether the caches are laid out for the decode kernel's 16-byte copies (the kernel writes into
+// them, so they cannot be copied aside).
+bool kvcache_aligned(const at::Tensor& key_cache, const at::Tensor& value_cache);
+
+// sparse_attn::_kvcache_route: 1 when the CUDA decode kernel serves the call, 0 when the op's
+// composite path does. sparse_attn::_plan_kvcache: the plan as "key=value" lines.
+int64_t kvcache_route(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                      const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& key,
+                      const c10::optional<at::Tensor>& value, const c10::optional<at::Tensor>& block_table,
+                      const c10::optional<at::Tensor>& kv_num_blocks, const c10::optional<at::Tensor>& kv_indices,
+                      int64_t kv_block);
+std::string explain_kvcache(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& key,
+                            const c10::optional<at::Tensor>& value, const c10::optional<at::Tensor>& block_table,
+                            const c10::optional<at::Tensor>& kv_num_blocks,
+                            const c10::optional<at::Tensor>& kv_indices, int64_t kv_block, int64_t window_left,
+                            int64_t window_right, int64_t target_cc, int64_t target_sms);
 
 }  // namespace sparse_attn

@@ -33,6 +33,14 @@ TORCH_LIBRARY(sparse_attn, m) {
       "indexer_select(Tensor index_query, Tensor index_key, Tensor index_weights, int k, "
       "bool causal=False) -> Tensor");
 
+  // attention_with_kvcache on CUDA (the CPU and other layouts take the Python composite path):
+  // appends key/value into the caches in place, then attends over cache + new tokens.
+  m.def(
+      "kvcache_fwd(Tensor query, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor cache_seqlens, "
+      "Tensor? key=None, Tensor? value=None, Tensor? block_table=None, Tensor? kv_num_blocks=None, "
+      "Tensor? kv_indices=None, int kv_block=0, float? scale=None, int window_left=-1, int window_right=-1) "
+      "-> (Tensor out, Tensor lse)");
+
   // Backward passes (autograd in sparse_attn/_meta.py): dQ, dK, dV from the forward's inputs,
   // output and LSE, the output's gradient and (optionally) the LSE's.
   m.def(
@@ -73,10 +81,19 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int target_cc=0, int target_sms=0) -> str",
       &sparse_attn::explain_indexer_select);
   m.def(
+      "_kvcache_route(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cache_seqlens, Tensor? key, "
+      "Tensor? value, Tensor? block_table, Tensor? kv_num_blocks, Tensor? kv_indices, int kv_block) -> int",
+      &sparse_attn::kvcache_route);
+  m.def(
+      "_plan_kvcache(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cache_seqlens, Tensor? key, "
+      "Tensor? value, Tensor? block_table, Tensor? kv_num_blocks, Tensor? kv_indices, int kv_block, "
+      "int window_left=-1, int window_right=-1, int target_cc=0, int target_sms=0) -> str",
+      &sparse_attn::explain_kvcache);
+  m.def(
       "_set_plan_options(bool portable_only=False, int block_m=0, int block_n=0, bool per_tile_grid=False, "
-      "int merge_boundary=-1, int select_workspace_bytes=0) -> ()",
+      "int merge_boundary=-1, int select_workspace_bytes=0, int decode_splits=0) -> ()",
       [](bool portable_only, int64_t block_m, int64_t block_n, bool per_tile_grid, int64_t merge_boundary,
-         int64_t select_workspace_bytes) {
+         int64_t select_workspace_bytes, int64_t decode_splits) {
         sparse_attn::PlanOptions& o = sparse_attn::plan_options();
         o.portable_only = portable_only;
         o.block_m = int(block_m);
@@ -84,6 +101,7 @@ TORCH_LIBRARY(sparse_attn, m) {
         o.per_tile_grid = per_tile_grid;
         o.merge_boundary = int(merge_boundary);
         o.select_workspace_bytes = select_workspace_bytes;
+        o.decode_splits = int(decode_splits);
       });
 }
 

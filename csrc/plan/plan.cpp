@@ -250,6 +250,55 @@ int select_score_splits(const SelectPlan& plan, int64_t n) {
                                  std::max(plan.key_tiles, 1)));
 }
 
+DecodePlan plan_decode(const DecodeParams& p, const DeviceInfo& dev, const PlanOptions& options) {
+  DecodePlan plan;
+  if (dev.cc < 80) {
+    plan.why = "composite path: the decode kernel needs compute capability 8.0 or newer";
+    return plan;
+  }
+  if (p.dtype == ScalarKind::kFloat32 || p.d != p.dv) {
+    plan.why = "composite path: the decode kernel takes bf16/fp16 with Dv == D";
+    return plan;
+  }
+  plan.head_dim = padded_head_dim(p.d);
+  // Shared memory per SM: 228 KiB on sm_90, 164 KiB on sm_80/87, 100 KiB on the other sm_8x.
+  const int smem_per_sm = dev.cc >= 90 ? 228 << 10 : ((dev.cc == 80 || dev.cc == 87) ? 164 << 10 : 100 << 10);
+  const int smem = decode_smem_bytes(plan.head_dim) + (1 << 10);
+  if (smem > smem_per_sm) {
+    plan.why = "composite path: the decode kernel's stages of this head dim exceed the device's shared memory";
+    return plan;
+  }
+  plan.supported = true;
+  plan.ctas_per_sm = std::min(smem_per_sm / smem, 16);
+  const int rows = p.h_per_kv * p.lq;  // query rows that share a K/V head's loads
+  plan.row_tiles = rows <= 16 ? 1 : (rows <= 32 ? 2 : 4);
+  plan.row_chunks = (rows + 16 * plan.row_tiles - 1) / (16 * plan.row_tiles);
+  // Keys a sequence may attend to, bounded by the capacity, a window with a left bound, or a mask.
+  int64_t keys = p.capacity;
+  if (p.window_left >= 0 && p.window_right >= 0)
+    keys = std::min<int64_t>(keys, int64_t(p.window_left) + p.window_right + p.lq);
+  else if (p.window_left >= 0)
+    keys = std::min<int64_t>(keys, int64_t(p.window_left) + p.lq);
+  if (p.kv_indices != nullptr) keys = std::min<int64_t>(keys, int64_t(p.max_kv_blocks) * p.kv_block);
+  plan.est_key_tiles = std::max<int64_t>((keys + kDecodeBlockN - 1) / kDecodeBlockN, 1);
+  // Split-KV: enough CTAs for one full wave, each with at least 4 key tiles (a CTA's start-up is
+  // worth about that much streaming), and the splits' fp32 partials (written, then read back by
+  // the combine from L2: 8 bytes per output element) no more bytes than the cache they summarise.
+  const int64_t units = int64_t(p.b) * p.h_kv * plan.row_chunks;
+  const int64_t wave = int64_t(dev.sms) * plan.ctas_per_sm;
+  const int64_t chunk_rows = std::min<int64_t>(rows, 16 * plan.row_tiles);
+  const int64_t cache_bytes = plan.est_key_tiles * kDecodeBlockN * (p.d + p.dv) * 2;
+  int64_t splits = std::max<int64_t>(wave / std::max<int64_t>(units, 1), 1);
+  splits = std::min<int64_t>({splits, plan.est_key_tiles / 4, cache_bytes / (chunk_rows * p.dv * 8), 64});
+  if (options.decode_splits > 0) splits = std::min<int64_t>({options.decode_splits, plan.est_key_tiles, 128});
+  plan.num_splits = int(std::max<int64_t>(splits, 1));
+  plan.dependent_launch = dev.cc >= 90 && plan.num_splits > 1;
+  plan.why = plan.num_splits > 1
+                 ? "split-KV: (batch, K/V head) pairs fill less than a wave, so each splits its keys and a combine kernel merges the splits' LSEs"
+                 : "one CTA per (batch, K/V head, row chunk): the pairs fill the GPU (or the keys are few), no combine";
+  return plan;
+}
+
 const char* core_name(Core core) {
   switch (core) {
     case Core::kCpu:

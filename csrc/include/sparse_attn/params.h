@@ -147,4 +147,52 @@ struct TopkSelectParams {
   ScalarKind dtype;
 };
 
+// Attention of a few new query tokens over a KV cache (attention_with_kvcache). A cache row is
+// addressed through pages: token t of sequence b lives in page block_table[b][t / page_size],
+// slot t % page_size. A contiguous cache (B, Hkv, Lmax, D) is the same with one page per
+// sequence (block_table == nullptr: page b, page_size = Lmax).
+struct DecodeParams {
+  const void* __restrict__ q;  // (B, H, Lq, D), dtype
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  void* k_cache;  // pages of (page_size, Hkv, D) (or (Hkv, Lmax, D)), dtype; written by the append
+  void* v_cache;
+  int64_t k_page_stride, k_row_stride, k_head_stride;
+  int64_t v_page_stride, v_row_stride, v_head_stride;
+  const int32_t* __restrict__ block_table;  // (B, pages_per_seq), int32; nullptr = contiguous
+  int64_t bt_batch_stride;
+  int pages_per_seq, num_pages, page_size;
+  int capacity;                                // tokens a sequence's cache holds
+  const int32_t* __restrict__ cache_seqlens;  // (B,), int32: tokens cached before this call
+  // Optional new keys / values (B, Hkv, Lq, D), written at cache_seqlens[b] + i before attending
+  // (rows that fall outside the cache are dropped; the op's checks refuse them beforehand).
+  const void* __restrict__ k_new;
+  const void* __restrict__ v_new;
+  int64_t kn_batch_stride, kn_head_stride, kn_row_stride;
+  int64_t vn_batch_stride, vn_head_stride, vn_row_stride;
+  void* __restrict__ o;     // (B, H, Lq, Dv), dtype
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  float* __restrict__ lse;  // (B, H, Lq), fp32, contiguous
+  // Split-KV: with num_splits > 1 each split writes its normalised O and LSE here, fp32,
+  // (num_splits, B, H, Lq, Dv) and (num_splits, B, H, Lq), and the combine kernel merges them.
+  float* __restrict__ o_part;
+  float* __restrict__ lse_part;
+  int b, h, h_kv, h_per_kv, lq, d, dv;
+  ScalarKind dtype;
+  float scale, scale_log2;
+  // Keys of sequence b: len = min(seqlen + lk_new, capacity) with lk_new = Lq when new keys are
+  // appended (else 0); query i sees key j < len with
+  //   (window_left < 0 || j >= i + off - window_left) && (window_right < 0 || j <= i + off + window_right)
+  // and off = seqlen + lk_new - Lq (bottom-right aligned; causal = (-1, 0)).
+  int lk_new;
+  int window_left, window_right;
+  int num_splits;
+  int row_chunks;  // CTAs per (b, kv head) along the H / Hkv * Lq query rows of a group
+  // Optional block-sparse selection of cache blocks (sparse decode): per (b, mask head) the key
+  // blocks of kv_block tokens to visit, ascending; mask heads are 1 or Hkv (zero strides broadcast).
+  const int32_t* __restrict__ kv_num_blocks;  // (Bm, Hm, 1)
+  const int32_t* __restrict__ kv_indices;     // (Bm, Hm, 1, max_kv_blocks)
+  int64_t bs_batch_stride, bs_head_stride;
+  int max_kv_blocks, kv_block;
+};
+
 }  // namespace sparse_attn

@@ -111,6 +111,7 @@ struct PlanOptions {
   bool per_tile_grid = false;          // Hopper: one CTA per tile instead of persistent CTAs
   int merge_boundary = -1;             // Hopper: 0 / 1 forces the merged tile boundary off / on
   int64_t select_workspace_bytes = 0;  // top-k selection's score workspace
+  int decode_splits = 0;               // attention_with_kvcache's split-KV count (capped at the key tiles)
 };
 
 // The process's overrides (one struct, read by every plan; defaults until a test sets them).
@@ -166,6 +167,31 @@ SelectPlan plan_select(const TopkSelectParams& params, const DeviceInfo& device,
 // CTAs per query tile of a scoring launch of n tiles: about 16 CTAs per SM (4 waves of 4): the
 // causal triangle makes CTAs unequal, and few waves leave a ragged last one.
 int select_score_splits(const SelectPlan& plan, int64_t n);
+
+// ---- KV-cache decode (attention_with_kvcache; decode_fwd.cuh) ----
+
+// Keys per pipeline stage; the stages of K and V tiles in flight per CTA (about 96 KiB of them:
+// two CTAs per H100 SM at head dim 128 keep ~190 KiB of loads in flight, far above what the
+// SM's share of HBM bandwidth times latency needs).
+constexpr int kDecodeBlockN = 64;
+constexpr int decode_stages(int head_dim) { return head_dim <= 64 ? 4 : (head_dim <= 128 ? 3 : 2); }
+constexpr int decode_smem_bytes(int head_dim) { return decode_stages(head_dim) * 2 * kDecodeBlockN * head_dim * 2; }
+
+struct DecodePlan {
+  bool supported = false;  // false: the op's composite path (gather + dense_attention) serves it
+  int head_dim = 0;        // the compiled head dim (64, 128, 256)
+  int row_tiles = 1;       // m16 query-row tiles per CTA (1, 2, 4); its 4 warps split each key tile 4/row_tiles ways
+  int row_chunks = 1;      // CTAs along the H / Hkv * Lq rows of a K/V head
+  int num_splits = 1;      // CTAs along the keys (split-KV); > 1 adds the combine kernel
+  int ctas_per_sm = 1;
+  bool dependent_launch = false;  // sm_90: the combine launched as a programmatic dependent
+  int64_t est_key_tiles = 0;  // kDecodeBlockN-key tiles a sequence may hold (capacity, window or mask)
+  const char* why = "";
+};
+
+// attention_with_kvcache on a CUDA device, from the params (the lengths are on the device: the
+// split count comes from the capacity, never from a host read of cache_seqlens).
+DecodePlan plan_decode(const DecodeParams& params, const DeviceInfo& device, const PlanOptions& options);
 
 const char* core_name(Core core);
 const char* schedule_name(Schedule schedule);

@@ -1,0 +1,279 @@
+"""KV-cache decode on the GPU: attention_with_kvcache against the HBM copy bandwidth and SDPA
+(cuDNN, FlashAttention backends), all measured in one run (bf16, GQA 32/8, D = 128).
+
+Every call is captured in a CUDA graph and the replay timed (CUDA events, median of 40, the L2
+flushed by a 512 MiB read before each replay), so the times are the GPU's, with one graph launch
+each, for ours and SDPA's alike. Bandwidth = bytes of K and V the call must read
+(B * Hkv * L * D * 2 tensors * 2 bytes) over time; copy = copying 1 GiB on the device, read + write
+bytes over time, from the same run.
+SDPA runs with enable_gqa (no K/V expansion); with several new tokens it runs without a causal
+mask (its causal mask is top-left aligned), which reads the same bytes.
+
+    python benchmarks/bench_decode.py                   # the decode, paged and sparse tables
+    python benchmarks/bench_decode.py --quick           # a few shapes
+    python benchmarks/bench_decode.py --json out.json   # also write the rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+import sparse_attn
+from sparse_attn import BlockSparseMask
+from sparse_attn.bench import require_cuda, run_sdpa, sdpa_backends
+
+H, HKV, D = 32, 8, 128
+DT = torch.bfloat16
+
+
+_FLUSH: list[torch.Tensor] = []
+
+
+def flush_l2() -> None:
+    """Evicts the L2 by reading 512 MiB (a reduction: the L2 is left holding clean lines, as after a
+    GEMM that read its weights; a write-based flush would leave ~50 MB of dirty lines whose
+    write-back the next kernel would pay for)."""
+    if not _FLUSH:
+        _FLUSH.append(torch.ones(1 << 28, dtype=torch.bfloat16, device="cuda"))
+    torch.amax(_FLUSH[0])
+
+
+def time_graph(fn, reps: int = 40) -> float:
+    """Median milliseconds of one replay of fn() captured in a CUDA graph, the L2 flushed before
+    each replay (NaN if it cannot run)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:  # a backend that refuses the shape
+        print(f"    (skipped: {str(e).splitlines()[0][:100]})", file=sys.stderr)
+        return float("nan")
+    for _ in range(3):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush_l2()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def copy_bandwidth() -> float:
+    """TB/s of copying 1 GiB on the device, read + write bytes: the better of the copy engine path
+    (``copy_``) and an elementwise kernel (``torch.neg(out=)``), which differ by GPU."""
+    x = torch.zeros(1 << 29, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    ms = min(time_graph(lambda: y.copy_(x)), time_graph(lambda: torch.neg(x, out=y)))
+    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
+
+
+def decode(q, kc, vc, lens, **kwargs):
+    """The call to time, its tensors bound now."""
+    return lambda: sparse_attn.attention_with_kvcache(q, kc, vc, lens, **kwargs)
+
+
+def sdpa(q, k, v, backend):
+    return lambda: run_sdpa(q, k, v, backend)
+
+
+def inputs(b: int, length: int, lq: int):
+    q = torch.randn(b, H, lq, D, device="cuda", dtype=DT)
+    kc = torch.randn(b, HKV, length, D, device="cuda", dtype=DT)
+    vc = torch.randn(b, HKV, length, D, device="cuda", dtype=DT)
+    lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+    return q, kc, vc, lens
+
+
+def cache_bytes(b: int, length: int) -> int:
+    return b * HKV * length * D * 2 * 2
+
+
+def decode_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
+    backends = sdpa_backends(torch.device("cuda"))
+    out = [
+        "decode: one graph replay per call; TB/s = K+V bytes read / time; frac = of the copy bandwidth",
+        f"{'B':>3} {'L':>7} {'Lq':>3} {'splits':>6} {'ours ms':>8} {'TB/s':>6} {'frac':>5} "
+        f"{'cudnn TB/s':>10} {'flash TB/s':>10} {'vs cudnn':>8} {'vs flash':>8}",
+    ]
+    for b, length, lq in args.shapes:
+        out.append(decode_row(args, copy_bw, rows, backends, b, length, lq))
+        torch.cuda.empty_cache()
+    return out
+
+
+def decode_row(args, copy_bw, rows, backends, b, length, lq) -> str:
+    q, kc, vc, lens = inputs(b, length, lq)
+    plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q, kc, vc, lens)
+    splits = plan.launches[0].options.get("num_splits", 0)
+    t_ours = time_graph(decode(q, kc, vc, lens))
+    for n in args.splits or ():
+        with sparse_attn._plan.overrides(decode_splits=n):
+            t = time_graph(decode(q, kc, vc, lens))
+        print(f"    splits={n}: {t:.4f} ms, {cache_bytes(b, length) / (t * 1e-3) / 1e12:.2f} TB/s")
+    t_cudnn = time_graph(sdpa(q, kc, vc, backends["sdpa-cudnn"]))
+    t_flash = time_graph(sdpa(q, kc, vc, backends["sdpa-flash"]))
+    bw = [cache_bytes(b, length) / (t * 1e-3) / 1e12 for t in (t_ours, t_cudnn, t_flash)]
+    rows.append(
+        dict(
+            table="decode",
+            b=b,
+            length=length,
+            lq=lq,
+            splits=splits,
+            ours_ms=t_ours,
+            ours_tbs=bw[0],
+            frac_copy=bw[0] / copy_bw,
+            cudnn_tbs=bw[1],
+            flash_tbs=bw[2],
+            vs_cudnn=t_cudnn / t_ours,
+            vs_flash=t_flash / t_ours,
+        )
+    )
+    return (
+        f"{b:>3} {length:>7} {lq:>3} {splits:>6} {t_ours:>8.4f} {bw[0]:>6.2f} {bw[0] / copy_bw:>5.2f} "
+        f"{bw[1]:>10.2f} {bw[2]:>10.2f} {t_cudnn / t_ours:>8.2f} {t_flash / t_ours:>8.2f}"
+    )
+
+
+def paged_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
+    out = [
+        "paged: shuffled pages against the contiguous cache (same tokens), one new token; BLHD = the",
+        "contiguous cache stored token-major (B, L, Hkv, D), a head's rows interleaved as in a paged cache",
+        f"{'B':>3} {'L':>7} {'page':>5} {'ms':>8} {'TB/s':>6} {'frac':>5} {'vs contiguous':>13}",
+    ]
+    for b, length in args.paged_shapes:
+        out += paged_rows(args, copy_bw, rows, b, length)
+        torch.cuda.empty_cache()
+    return out
+
+
+def paged_rows(args, copy_bw, rows, b, length) -> list[str]:
+    q, kc, vc, lens = inputs(b, length, 1)
+    t_contig = time_graph(decode(q, kc, vc, lens))
+    layouts = [
+        ("BLHD", None, kc.transpose(1, 2).contiguous().transpose(1, 2), vc.transpose(1, 2).contiguous().transpose(1, 2))
+    ]
+    for page in args.pages:
+        pages = length // page
+        perm = torch.randperm(b * pages, device="cuda")
+        # Page p of sequence s holds its tokens [p * page, (p + 1) * page).
+        pk = torch.empty(b * pages, page, HKV, D, device="cuda", dtype=DT)
+        pv = torch.empty_like(pk)
+        pk[perm] = kc.transpose(1, 2).reshape(b * pages, page, HKV, D)
+        pv[perm] = vc.transpose(1, 2).reshape(b * pages, page, HKV, D)
+        layouts.append((page, perm.view(b, pages).to(torch.int32), pk, pv))
+    out = []
+    for page, table, k, v in layouts:
+        t = time_graph(decode(q, k, v, lens, block_table=table))
+        bw = cache_bytes(b, length) / (t * 1e-3) / 1e12
+        rows.append(
+            dict(
+                table="paged",
+                b=b,
+                length=length,
+                page=page,
+                ms=t,
+                tbs=bw,
+                frac_copy=bw / copy_bw,
+                vs_contiguous=t_contig / t,
+            )
+        )
+        out.append(f"{b:>3} {length:>7} {page:>5} {t:>8.4f} {bw:>6.2f} {bw / copy_bw:>5.2f} {t_contig / t:>13.2f}")
+    return out
+
+
+def sparse_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
+    out = [
+        "sparse decode: a random selection of 128-token cache blocks per (sequence, K/V head), one new token;",
+        "bound = selected bytes / copy bandwidth",
+        f"{'B':>3} {'L':>7} {'kept':>5} {'ms':>8} {'dense ms':>8} {'speedup':>7} {'bound ms':>8} {'/ bound':>7}",
+    ]
+    for b, length in args.sparse_shapes:
+        out += sparse_rows(args, copy_bw, rows, b, length)
+        torch.cuda.empty_cache()
+    return out
+
+
+def sparse_rows(args, copy_bw, rows, b, length) -> list[str]:
+    q, kc, vc, lens = inputs(b, length, 1)
+    t_dense = time_graph(decode(q, kc, vc, lens))
+    out = []
+    for keep in args.keep:
+        sel = torch.rand(b, HKV, 1, length // 128, device="cuda") < keep
+        mask = BlockSparseMask.from_block_matrix(sel, seq_lengths=(1, length), block_size=(128, 128))
+        t = time_graph(decode(q, kc, vc, lens, mask=mask))
+        for n in args.splits or ():
+            with sparse_attn._plan.overrides(decode_splits=n):
+                print(f"    splits={n}: {time_graph(decode(q, kc, vc, lens, mask=mask)):.4f} ms")
+        kept = sel.float().mean().item()
+        bound = kept * cache_bytes(b, length) / (copy_bw * 1e12) * 1e3
+        rows.append(
+            dict(
+                table="sparse",
+                b=b,
+                length=length,
+                kept=kept,
+                ms=t,
+                dense_ms=t_dense,
+                speedup=t_dense / t,
+                bound_ms=bound,
+                over_bound=t / bound,
+            )
+        )
+        out.append(
+            f"{b:>3} {length:>7} {kept:>5.2f} {t:>8.4f} {t_dense:>8.4f} {t_dense / t:>7.2f} "
+            f"{bound:>8.4f} {t / bound:>7.2f}"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--tables", nargs="+", default=["decode", "paged", "sparse"])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--splits", type=int, nargs="+", help="also time these split-KV counts (decode table)")
+    args = parser.parse_args(argv)
+    if not require_cuda("bench_decode.py"):
+        return 1
+    if args.quick:
+        args.shapes = [(1, 32768, 1), (8, 32768, 1), (1, 4096, 16)]
+        args.paged_shapes, args.pages = [(8, 32768)], [16, 256]
+        args.sparse_shapes, args.keep = [(1, 131072)], [0.1]
+    else:
+        args.shapes = [
+            (b, length, lq)
+            for b in (1, 8, 64)
+            for length in (4096, 32768, 131072)
+            for lq in (1, 16)
+            if b * length <= 64 * 32768
+        ]
+        args.paged_shapes, args.pages = [(1, 32768), (8, 32768)], [1, 16, 64, 256]
+        args.sparse_shapes, args.keep = [(1, 131072), (8, 131072)], [0.05, 0.1, 0.25]
+    copy_bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.2f} TB/s (1 GiB, read + write)")
+    rows: list[dict] = []
+    tables = {"decode": decode_table, "paged": paged_table, "sparse": sparse_table}
+    for name in args.tables:
+        print("\n".join(tables[name](args, copy_bw, rows)), flush=True)
+        print()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_tbs": copy_bw, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""attention_with_kvcache: against per-sequence attention over the cached + new tokens (fp64
+reference, FlashAttention's 2x rule), on contiguous and paged caches (shuffled pages of 1 to 256
+tokens), with appends, GQA, causal and windows, sparse decode masks, CUDA graph replay and the
+argument checks. Cache slots no sequence owns hold NaN: they must never reach an output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from utils import check_close
+
+import sparse_attn
+from sparse_attn import BlockSparseMask, reference
+
+NAN = float("nan")
+
+
+class Cache:
+    """A filled cache (contiguous or paged) and the per-sequence history it holds."""
+
+    def __init__(self, b, hkv, d, dv, seqlens, cap, *, page_size=None, dtype, device, seed=0, spare_pages=3):
+        g = torch.Generator().manual_seed(seed)
+        self.seqlens = list(seqlens)
+        self.hist_k = [torch.randn(hkv, n, d, generator=g).to(dtype) for n in seqlens]
+        self.hist_v = [torch.randn(hkv, n, dv, generator=g).to(dtype) for n in seqlens]
+        self.page_size = page_size
+        if page_size is None:
+            k = torch.full((b, hkv, cap, d), NAN, dtype=dtype)
+            v = torch.full((b, hkv, cap, dv), NAN, dtype=dtype)
+            for i, n in enumerate(seqlens):
+                k[i, :, :n] = self.hist_k[i]
+                v[i, :, :n] = self.hist_v[i]
+            self.block_table = None
+        else:
+            pages = cap // page_size
+            num_pages = b * pages + spare_pages
+            table = torch.randperm(num_pages, generator=g)[: b * pages].view(b, pages).to(torch.int32)
+            k = torch.full((num_pages, page_size, hkv, d), NAN, dtype=dtype)
+            v = torch.full((num_pages, page_size, hkv, dv), NAN, dtype=dtype)
+            for i, n in enumerate(seqlens):
+                for t in range(n):
+                    k[table[i, t // page_size], t % page_size] = self.hist_k[i][:, t]
+                    v[table[i, t // page_size], t % page_size] = self.hist_v[i][:, t]
+            self.block_table = table.to(device)
+        self.k, self.v = k.to(device), v.to(device)
+        self.lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+
+    def token(self, cache, b, t):
+        """(Hkv, D) of token t of sequence b in ``cache``."""
+        if self.block_table is None:
+            return cache[b, :, t]
+        return cache[int(self.block_table[b, t // self.page_size]), t % self.page_size]
+
+
+def expected(cache: Cache, q, k_new, v_new, *, causal=True, window=(-1, -1), block_sel=None, kv_block=64):
+    """Per sequence: fp64 and low-precision references over history (+ new tokens)."""
+    outs, lps, lses = [], [], []
+    lq = q.shape[2]
+    for b in range(len(cache.seqlens)):
+        k = cache.hist_k[b].to(q.device)
+        v = cache.hist_v[b].to(q.device)
+        if k_new is not None:
+            k = torch.cat([k, k_new[b]], dim=1)
+            v = torch.cat([v, v_new[b]], dim=1)
+        lk = k.shape[1]
+        i = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        j = torch.arange(lk, device=q.device)[None, :]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+        left, right = window
+        if causal:
+            right = 0
+        if left >= 0:
+            mask &= j >= i - left
+        if right >= 0:
+            mask &= j <= i + right
+        mask = mask[None, None].expand(1, q.shape[1], lq, lk)
+        if block_sel is not None:  # (Bm, Hm, nKb) bool
+            sel = block_sel[min(b, block_sel.shape[0] - 1)].repeat_interleave(kv_block, dim=-1)[:, :lk]
+            sel = sel.repeat_interleave(q.shape[1] // sel.shape[0], dim=0)
+            mask = mask & sel[None, :, None, :].to(q.device)
+        o, lse = reference.attention(q[b : b + 1], k[None], v[None], mask=mask)
+        lp, _ = reference.attention(q[b : b + 1], k[None], v[None], mask=mask, dtype=q.dtype)
+        outs.append(o)
+        lps.append(lp)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lps), torch.cat(lses)
+
+
+def run_case(
+    device,
+    *,
+    b=2,
+    h=4,
+    hkv=2,
+    lq=1,
+    d=64,
+    dv=None,
+    seqlens=(5, 70),
+    cap=128,
+    page_size=None,
+    append=True,
+    causal=True,
+    window=None,
+    dtype=torch.bfloat16,
+    seed=0,
+):
+    dv = d if dv is None else dv
+    cache = Cache(b, hkv, d, dv, seqlens, cap, page_size=page_size, dtype=dtype, device=device, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(b, h, lq, d, generator=g).to(dtype).to(device)
+    k_new = v_new = None
+    if append:
+        k_new = torch.randn(b, hkv, lq, d, generator=g).to(dtype).to(device)
+        v_new = torch.randn(b, hkv, lq, dv, generator=g).to(dtype).to(device)
+    out, lse = sparse_attn.attention_with_kvcache(
+        q,
+        cache.k,
+        cache.v,
+        cache.lens,
+        key=k_new,
+        value=v_new,
+        block_table=cache.block_table,
+        causal=causal,
+        window=window,
+        return_lse=True,
+    )
+    wl, wr = (-1, -1) if window is None else ((window, window) if isinstance(window, int) else window)
+    gold, lp, gold_lse = expected(cache, q, k_new, v_new, causal=causal, window=(wl, wr))
+    check_close("out", out, gold, lp, dtype=dtype)
+    finite = torch.isfinite(gold_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite].double(), gold_lse[finite], atol=2e-2, rtol=0)
+    if append:  # the new tokens landed at cache_seqlens[b] + i, in the right pages
+        for i, n in enumerate(seqlens):
+            for t in range(lq):
+                assert torch.equal(cache.token(cache.k, i, n + t), k_new[i, :, t])
+                assert torch.equal(cache.token(cache.v, i, n + t), v_new[i, :, t])
+    return out
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64])
+@pytest.mark.parametrize("lq", [1, 5])
+@pytest.mark.parametrize("append", [True, False])
+def test_cache_layouts(device, page_size, lq, append):
+    run_case(device, lq=lq, page_size=page_size, append=append, seqlens=(7, 64 + 9 * lq))
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gqa_and_dtypes(device, h, hkv, dtype):
+    run_case(device, h=h, hkv=hkv, lq=3, dtype=dtype, page_size=16)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, 20), (False, (30, 2)), (True, (0, None))])
+def test_masks(device, causal, window):
+    run_case(device, lq=6, causal=causal, window=window, seqlens=(3, 100), page_size=16)
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (32, 32), (64, 32)])
+def test_head_dims(device, d, dv):
+    run_case(device, d=d, dv=dv, lq=2)
+
+
+def test_empty_cache_rows_see_nothing(device):
+    # No history and no append: every row sees no key (0, LSE -inf), never NaN.
+    cache = Cache(2, 2, 64, 64, (0, 0), 64, dtype=torch.bfloat16, device=device)
+    q = torch.randn(2, 4, 1, 64, dtype=torch.bfloat16, device=device)
+    out, lse = sparse_attn.attention_with_kvcache(q, cache.k, cache.v, cache.lens, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+
+
+def test_sparse_decode_mask(device):
+    b, h, hkv, lq, d, cap = 2, 4, 2, 1, 64, 512
+    cache = Cache(b, hkv, d, d, (300, 450), cap, page_size=64, dtype=torch.bfloat16, device=device)
+    g = torch.Generator().manual_seed(3)
+    sel = torch.rand(b, hkv, 1, cap // 64, generator=g) < 0.4
+    sel[..., 0] = True  # the first block (attention sinks) always
+    mask = BlockSparseMask.from_block_matrix(sel.to(device), seq_lengths=(lq, cap), block_size=(64, 64))
+    q = torch.randn(b, h, lq, d, generator=g).to(torch.bfloat16).to(device)
+    kn = torch.randn(b, hkv, lq, d, generator=g).to(torch.bfloat16).to(device)
+    vn = torch.randn(b, hkv, lq, d, generator=g).to(torch.bfloat16).to(device)
+    out = sparse_attn.attention_with_kvcache(
+        q, cache.k, cache.v, cache.lens, key=kn, value=vn, block_table=cache.block_table, mask=mask
+    )
+    gold, lp, _ = expected(cache, q, kn, vn, block_sel=sel[:, :, 0], kv_block=64)
+    check_close("sparse decode", out, gold, lp, dtype=torch.bfloat16)
+
+
+def test_decode_steps_match_prefill(device):
+    # Generating token by token with the cache equals causal flash attention over the sequence.
+    b, h, hkv, d, n = 1, 4, 2, 64, 24
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, hh, n, d, generator=g).to(device) for hh in (h, hkv, hkv))
+    full = sparse_attn.flash_attention(q, k, v, causal=True)
+    kc = torch.zeros(b, hkv, 32, d, device=device)
+    vc = torch.zeros(b, hkv, 32, d, device=device)
+    lens = torch.zeros(b, dtype=torch.int32, device=device)
+    steps = []
+    for t in range(n):
+        sl = slice(t, t + 1)
+        steps.append(sparse_attn.attention_with_kvcache(q[:, :, sl], kc, vc, lens, key=k[:, :, sl], value=v[:, :, sl]))
+        lens += 1
+    torch.testing.assert_close(torch.cat(steps, dim=2), full, atol=1e-5, rtol=1e-5)
+
+
+# ---- argument checks ----
+
+
+def _args(device="cpu", paged=False):
+    q = torch.randn(2, 4, 1, 64, device=device)
+    if paged:
+        kc = torch.zeros(6, 16, 2, 64, device=device)
+        bt = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device=device)
+    else:
+        kc = torch.zeros(2, 2, 48, 64, device=device)
+        bt = None
+    lens = torch.tensor([3, 4], dtype=torch.int32, device=device)
+    return q, kc, kc.clone(), lens, bt
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: a.update(lens=a["lens"].long()), "cache_seqlens must be int32"),
+        (lambda a: a.update(lens=a["lens"][:1]), "cache_seqlens must be 1-D"),
+        (lambda a: a.update(q=a["q"][..., :32]), "head dimension must be query's"),
+        (lambda a: a.update(vc=a["vc"][:, :1]), "agree in all but the last dimension"),
+        (lambda a: a.update(q=a["q"][:, :3]), "multiple of the cache's K/V heads"),
+        (lambda a: a.update(kc=a["kc"].half()), "key_cache must have query's dtype"),
+        (lambda a: a.update(key=torch.zeros(2, 2, 1, 64)), "key and value must be given together"),
+        (lambda a: a.update(key=torch.zeros(2, 2, 2, 64), value=torch.zeros(2, 2, 2, 64)), "key must have shape"),
+    ],
+)
+def test_bad_shapes(change, match):
+    q, kc, vc, lens, _ = _args()
+    a = {"q": q, "kc": kc, "vc": vc, "lens": lens}
+    change(a)
+    with pytest.raises(RuntimeError, match=match):
+        sparse_attn.attention_with_kvcache(a["q"], a["kc"], a["vc"], a["lens"], key=a.get("key"), value=a.get("value"))
+
+
+def test_bad_values(device):
+    q, kc, vc, lens, bt = _args(device, paged=True)
+    kn = torch.zeros(2, 2, 1, 64, device=device)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 48 plus 1 new tokens does not fit"):
+        sparse_attn.attention_with_kvcache(
+            q,
+            kc,
+            vc,
+            torch.tensor([3, 48], dtype=torch.int32, device=device),
+            key=kn,
+            value=kn,
+            block_table=bt,
+            validate=True,
+        )
+    bad = bt.clone()
+    bad[1, 0] = 6
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 6 points outside the cache's 6 pages"):
+        sparse_attn.attention_with_kvcache(q, kc, vc, lens, block_table=bad, validate=True)
+    with pytest.raises(ValueError, match="cache_seqlens\\[0\\] = -1"):
+        sparse_attn.attention_with_kvcache(
+            q, kc, vc, torch.tensor([-1, 2], dtype=torch.int32, device=device), block_table=bt, validate=True
+        )
+    with pytest.raises(RuntimeError, match="block_table must be 2-D"):
+        sparse_attn.attention_with_kvcache(q, kc, vc, lens, block_table=bt[0])
+
+
+def test_bad_masks():
+    q, kc, vc, lens, _ = _args()
+    sel = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="capacity"):
+        sparse_attn.attention_with_kvcache(
+            q, kc, vc, lens, mask=BlockSparseMask.from_block_matrix(sel, seq_lengths=(1, 64), block_size=64)
+        )
+    with pytest.raises(TypeError, match="BlockSparseMask"):
+        sparse_attn.attention_with_kvcache(q, kc, vc, lens, mask=torch.ones(1, 48, dtype=torch.bool))
+
+
+# ---- CUDA kernel: split-KV, long caches, graphs, unchecked bad values ----
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("b,hkv,h,lq", [(1, 8, 32, 1), (1, 2, 16, 16), (3, 4, 4, 4), (64, 8, 32, 1)])
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+def test_cuda_long_caches(b, hkv, h, lq, page_size):
+    # From one split-KV CTA per (b, head) to dozens: the plan picks the split count.
+    g = torch.Generator().manual_seed(b * 31 + lq)
+    lens = torch.randint(1, 4000, (b,), generator=g).tolist()
+    run_case("cuda", b=b, h=h, hkv=hkv, lq=lq, d=128, seqlens=lens, cap=4096 + 256, page_size=page_size)
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_is_planned():
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.zeros(1, 8, 32768, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([30000], dtype=torch.int32, device="cuda")
+    plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q, kc, kc, lens)
+    assert plan.route == "decode_split_kv" and plan.launches[0].options["num_splits"] > 1, str(plan)
+    plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q.float(), kc.float(), kc.float(), lens)
+    assert plan.route == "composite", str(plan)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_replay(paged):
+    # Every slot a replay may read holds a token (history of 1000 in both sequences).
+    b, h, hkv, d, cap = 2, 8, 2, 128, 1024
+    cache = Cache(b, hkv, d, d, (1000, 1000), cap, page_size=64 if paged else None, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
+    kn = torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16)
+    vn = torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([100, 700], dtype=torch.int32, device="cuda")
+    table = cache.block_table.clone() if paged else None
+
+    def step():
+        return sparse_attn.attention_with_kvcache(q, cache.k, cache.v, lens, key=kn, value=vn, block_table=table)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up (plans, allocations)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new_lens in ([100, 700], [5, 900], [998, 1]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        if paged:  # a different page order each replay: same tokens, moved pages
+            perm = torch.randperm(table.shape[1])
+            moved_k, moved_v = cache.k.clone(), cache.v.clone()
+            for bb in range(b):
+                moved_k[table[bb, perm].long()] = cache.k[table[bb].long()]
+                moved_v[table[bb, perm].long()] = cache.v[table[bb].long()]
+            cache.k.copy_(moved_k)
+            cache.v.copy_(moved_v)
+            table.copy_(table[:, perm].clone())
+        graph.replay()
+        eager = sparse_attn.attention_with_kvcache(q, cache.k, cache.v, lens, key=kn, value=vn, block_table=table)
+        torch.testing.assert_close(out, eager, atol=0, rtol=0)
+
+
+@pytest.mark.cuda
+def test_cuda_unchecked_bad_values_stay_in_bounds():
+    # Lengths past the cache and pages outside it: no fault, no NaN from unowned slots.
+    q, kc, vc, lens, bt = _args("cuda", paged=True)
+    q, kc, vc = q.half(), kc.half(), vc.half()
+    kn = torch.ones(2, 2, 1, 64, device="cuda", dtype=torch.half)
+    bad_lens = torch.tensor([1 << 30, -5], dtype=torch.int32, device="cuda")
+    bad_bt = torch.tensor([[0, -7, 99], [1 << 30, 4, 5]], dtype=torch.int32, device="cuda")
+    out = sparse_attn.attention_with_kvcache(q, kc, vc, bad_lens, key=kn, value=kn, block_table=bad_bt)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.cuda
+def test_cuda_head_dim_256():
+    run_case("cuda", d=256, lq=4, h=8, hkv=2, seqlens=(500, 900), cap=1024, page_size=32)
+
+
+def test_explain_cpu():
+    q, kc, vc, lens, _ = _args()
+    plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q, kc, vc, lens)
+    assert plan.route == "composite" and plan.launches[0].core == "cpu"
+    plan = sparse_attn.explain(
+        sparse_attn.attention_with_kvcache, q.bfloat16(), kc.bfloat16(), vc.bfloat16(), lens, target="sm90"
+    )
+    # 2 (batch, K/V head) pairs on 132 SMs: the 48-token cache holds one key tile, so no split.
+    assert plan.route == "decode" and plan.launches[0].options["num_splits"] == 1, str(plan)
+    long = torch.zeros(2, 2, 8192, 64, dtype=torch.bfloat16)
+    plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q.bfloat16(), long, long, lens, target="sm90")
+    # 4 pairs, 396 CTA slots: 32 splits of the 128 key tiles (4 tiles each, the plan's minimum).
+    assert plan.route == "decode_split_kv" and plan.launches[0].options["num_splits"] == 32, str(plan)
