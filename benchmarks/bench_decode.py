@@ -9,7 +9,7 @@ bytes over time, from the same run.
 SDPA runs with enable_gqa (no K/V expansion); with several new tokens it runs without a causal
 mask (its causal mask is top-left aligned), which reads the same bytes.
 
-    python benchmarks/bench_decode.py                   # the decode, paged and sparse tables
+    python benchmarks/bench_decode.py                   # the decode, paged, sparse and varlen tables
     python benchmarks/bench_decode.py --quick           # a few shapes
     python benchmarks/bench_decode.py --json out.json   # also write the rows
 """
@@ -239,10 +239,58 @@ def sparse_rows(args, copy_bw, rows, b, length) -> list[str]:
     return out
 
 
+def varlen_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
+    """Prefill of a packed mixed batch (causal) against one sequence of the same causal work."""
+    out = [
+        "varlen prefill (causal, packed, cu_seqlens on the CPU) vs one sequence of equal causal work;",
+        "TFLOP/s count 4 * D per visible (query, key) pair",
+        f"{'lengths':<40} {'varlen ms':>9} {'TFLOP/s':>7} {'single L':>8} {'single ms':>9} {'TFLOP/s':>7} {'ratio':>5}",
+    ]
+    for lens in args.varlen_batches:
+        pairs = sum(n * (n + 1) // 2 for n in lens)
+        single = int(round((2 * pairs) ** 0.5))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(sum(lens), H, D, device="cuda", dtype=DT, generator=g)
+        k = torch.randn(sum(lens), HKV, D, device="cuda", dtype=DT, generator=g)
+        v = torch.randn_like(k)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        longest = max(lens)
+        t_var = time_graph(
+            lambda q=q, k=k, v=v, cu=cu, m=longest: sparse_attn.flash_attention_varlen(
+                q, k, v, cu, cu, m, m, causal=True
+            )
+        )
+        qs, ks, vs, _ = inputs(1, single, single)
+        ks, vs = ks[:, :, :single], vs[:, :, :single]
+        t_one = time_graph(lambda qs=qs, ks=ks, vs=vs: sparse_attn.flash_attention(qs, ks, vs, causal=True))
+        pairs_one = single * (single + 1) // 2
+        tf_var = 4 * D * H * pairs / (t_var * 1e-3) / 1e12
+        tf_one = 4 * D * H * pairs_one / (t_one * 1e-3) / 1e12
+        rows.append(
+            dict(
+                table="varlen",
+                lengths=lens,
+                ms=t_var,
+                tflops=tf_var,
+                single=single,
+                single_ms=t_one,
+                single_tflops=tf_one,
+                ratio=tf_var / tf_one,
+            )
+        )
+        name = ",".join(f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lens)
+        out.append(
+            f"{name:<40} {t_var:>9.3f} {tf_var:>7.1f} {single:>8} {t_one:>9.3f} {tf_one:>7.1f} {tf_var / tf_one:>5.2f}"
+        )
+        del q, k, v, qs, ks, vs
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--tables", nargs="+", default=["decode", "paged", "sparse"])
+    parser.add_argument("--tables", nargs="+", default=["decode", "paged", "sparse", "varlen"])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--splits", type=int, nargs="+", help="also time these split-KV counts (decode table)")
     args = parser.parse_args(argv)
@@ -252,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         args.shapes = [(1, 32768, 1), (8, 32768, 1), (1, 4096, 16)]
         args.paged_shapes, args.pages = [(8, 32768)], [16, 256]
         args.sparse_shapes, args.keep = [(1, 131072)], [0.1]
+        args.varlen_batches = [[1024, 4096, 16384, 32768]]
     else:
         args.shapes = [
             (b, length, lq)
@@ -262,10 +311,15 @@ def main(argv: list[str] | None = None) -> int:
         ]
         args.paged_shapes, args.pages = [(1, 32768), (8, 32768)], [1, 16, 64, 256]
         args.sparse_shapes, args.keep = [(1, 131072), (8, 131072)], [0.05, 0.1, 0.25]
+        args.varlen_batches = [
+            [1024, 4096, 16384, 32768],
+            [1024, 2048, 3072, 8192, 8192, 12288, 32768, 1024],
+            [1000, 1500, 7000, 9000, 20000, 31000],
+        ]
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.2f} TB/s (1 GiB, read + write)")
     rows: list[dict] = []
-    tables = {"decode": decode_table, "paged": paged_table, "sparse": sparse_table}
+    tables = {"decode": decode_table, "paged": paged_table, "sparse": sparse_table, "varlen": varlen_table}
     for name in args.tables:
         print("\n".join(tables[name](args, copy_bw, rows)), flush=True)
         print()

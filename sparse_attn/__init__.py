@@ -18,7 +18,16 @@ from . import (
 )
 from ._plan import explain
 from .masks import BlockSparseMask, ExactForm
-from .ops import attention_with_kvcache, block_sparse_attention, dense_attention, flash_attention, topk_attention
+from .ops import (
+    attention_with_kvcache,
+    block_sparse_attention,
+    block_sparse_attention_varlen,
+    dense_attention,
+    flash_attention,
+    flash_attention_varlen,
+    topk_attention,
+    topk_attention_varlen,
+)
 
 __version__ = "0.1.0"
 
@@ -28,13 +37,16 @@ __all__ = [
     "ExactForm",
     "analysis",
     "block_sparse_attention",
+    "block_sparse_attention_varlen",
     "cuda_kernels_available",
     "dense_attention",
     "explain",
     "flash_attention",
+    "flash_attention_varlen",
     "patterns",
     "reference",
     "topk_attention",
+    "topk_attention_varlen",
 ]
 
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import torch
 
-from . import _args, _kvcache, _plan, _routes
+from . import _args, _kvcache, _plan, _routes, _varlen
 
 __all__ = [
     "attention_with_kvcache",
     "block_sparse_attention",
+    "block_sparse_attention_varlen",
     "dense_attention",
     "flash_attention",
+    "flash_attention_varlen",
     "topk_attention",
+    "topk_attention_varlen",
 ]
 
 _ops = torch.ops.sparse_attn
@@ -377,4 +380,120 @@ def attention_with_kvcache(
         out, lse = _ops.kvcache_fwd.default(*args, scale, left, right)
     else:
         out, lse = _kvcache.composite(*args, scale, left, right)
+    return _result(out, lse, None, return_lse)
+
+
+def flash_attention_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """``flash_attention`` over a packed batch of sequences of different lengths (FlashAttention's
+    ``flash_attn_varlen_func``).
+
+    ``query`` (total_q, H, D), ``key`` (total_k, Hkv, D), ``value`` (total_k, Hkv, Dv): sequence b
+    is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; ``cu_seqlens_q``/``cu_seqlens_k`` are int32
+    (B + 1,) and ``max_seqlen_q``/``max_seqlen_k`` bound the lengths. Each sequence runs the op's
+    own kernel on views of the packed tensors (no padding, no copy of the inputs); ``causal`` and
+    ``window`` align per sequence (bottom-right). The lengths are read once on the host: one
+    synchronisation when ``cu_seqlens`` live on the GPU (pass CPU tensors to avoid it), and the
+    call cannot be captured in a CUDA graph. Differentiable like ``flash_attention``.
+
+    Returns (total_q, H, Dv), or (out, lse) with lse (H, total_q) fp32.
+
+    Examples
+    --------
+    >>> import torch, sparse_attn
+    >>> q = torch.randn(10, 4, 64); kv = torch.randn(10, 2, 64)
+    >>> cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    >>> sparse_attn.flash_attention_varlen(q, kv, kv, cu, cu, 7, 7, causal=True).shape
+    torch.Size([10, 4, 64])
+    """
+    bounds = _varlen.check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = _varlen.run(
+        lambda q, k, v: flash_attention(q, k, v, causal=causal, window=window, scale=scale, return_lse=True),
+        query,
+        key,
+        value,
+        bounds,
+    )
+    return _result(out, lse, None, return_lse)
+
+
+def block_sparse_attention_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    masks,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """``block_sparse_attention`` over a packed batch, one mask per sequence: ``masks`` is a list
+    (a mask, pattern or bool block matrix per sequence, as ``block_sparse_attention`` takes) or a
+    callable ``(Lq, Lk) -> mask`` (e.g. ``lambda lq, lk: patterns.sliding_window(lq, 256)``).
+    Packed layout, ``cu_seqlens``, the host read of the lengths and the outputs as in
+    :func:`flash_attention_varlen`.
+    """
+    bounds = _varlen.check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if not callable(masks) and len(masks) != len(bounds):
+        raise ValueError(f"masks must have one mask per sequence ({len(bounds)}), got {len(masks)}")
+    per_seq = iter(
+        [masks(q1 - q0, k1 - k0) for q0, q1, k0, k1 in bounds if q1 > q0]
+        if callable(masks)
+        else [m for m, (q0, q1, _, _) in zip(masks, bounds, strict=True) if q1 > q0]
+    )
+    out, lse = _varlen.run(
+        lambda q, k, v: block_sparse_attention(q, k, v, next(per_seq), causal=causal, scale=scale, return_lse=True),
+        query,
+        key,
+        value,
+        bounds,
+    )
+    return _result(out, lse, None, return_lse)
+
+
+def topk_attention_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    k: int,
+    *,
+    block_size: int | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """``topk_attention`` (exact per-head selection, token or block mode) over a packed batch: each
+    sequence selects among its own keys. Packed layout, ``cu_seqlens``, the host read of the
+    lengths and the outputs as in :func:`flash_attention_varlen`.
+    """
+    bounds = _varlen.check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out, lse = _varlen.run(
+        lambda q, kk, v: topk_attention(
+            q, kk, v, k, block_size=block_size, causal=causal, scale=scale, return_lse=True
+        ),
+        query,
+        key,
+        value,
+        bounds,
+    )
     return _result(out, lse, None, return_lse)
