@@ -13,6 +13,7 @@ from . import (
     _C,  # noqa: F401  (registers the sparse_attn::* ops)
     _meta,  # noqa: F401  (fake kernels and autograd registrations)
     analysis,
+    distributed,
     patterns,
     reference,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "block_sparse_attention_varlen",
     "cuda_kernels_available",
     "dense_attention",
+    "distributed",
     "explain",
     "flash_attention",
     "flash_attention_varlen",

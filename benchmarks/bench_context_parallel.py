@@ -1,0 +1,220 @@
+"""Context parallelism on the GPUs of one host: sparse_attn.distributed.context_parallel_attention (ring,
+zigzag layout) against one GPU's flash_attention and SDPA cuDNN on the whole sequence, and against
+PyTorch's context-parallel SDPA (torch.distributed.tensor.experimental.context_parallel) on the same
+GPUs, in one run (bf16, B = 1, H = Hkv = 16, D = 128, causal).
+
+Times: median of --reps calls, each the slowest rank's (CUDA events, barrier before each call).
+Memory: peak bytes allocated during a forward call on a rank (inputs included), against one GPU's.
+The projection to more GPUs uses the measured per-step compute and the measured link bandwidth.
+
+    torchrun --nproc_per_node 2 benchmarks/bench_context_parallel.py --lengths 131072 262144
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+import sparse_attn
+from sparse_attn import distributed as cp
+
+B, H, D = 1, 16, 128
+DT = torch.bfloat16
+
+
+def timed(fn, reps: int) -> float:
+    """Median over reps of the slowest rank's milliseconds for fn()."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        t = torch.tensor([a.elapsed_time(b)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return statistics.median(times)
+
+
+def peak_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def link_bandwidth(world: int) -> float:
+    """GB/s of a 256 MiB ring exchange (each rank sends to the next, receives from the previous)."""
+    rank = dist.get_rank()
+    x = torch.empty(128 << 20, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+
+    def step():
+        ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, y, (rank - 1) % world)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+    ms = timed(step, 5)
+    return x.numel() * 2 / (ms * 1e-3) / 1e9
+
+
+def torch_cp(q, k, v, mesh):
+    """PyTorch's context-parallel SDPA on the whole-sequence tensors (sharded inside the context)."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run():
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return run
+
+
+def measure(length: int, reps: int, mesh, world: int, bw: float) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(length)
+    q, k, v = (torch.randn(B, H, length, D, device="cuda", dtype=DT, generator=g) for _ in range(3))
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def ours_one():
+        return sparse_attn.flash_attention(q, k, v, causal=True)
+
+    ql, kl, vl = (cp.shard_sequence(t) for t in (q, k, v))
+
+    def ours_cp():
+        return cp.context_parallel_attention(ql, kl, vl, causal=True, seq_len=length)
+
+    one, one_cudnn, ours = timed(ours_one, reps), timed(cudnn, reps), timed(ours_cp, reps)
+    mem_one = peak_bytes(ours_one) + 3 * q.numel() * 2  # inputs included
+    mem_cp = peak_bytes(ours_cp) + 3 * ql.numel() * 2
+    try:
+        theirs = timed(torch_cp(q.clone(), k.clone(), v.clone(), mesh), reps)
+    except Exception as e:  # noqa: BLE001  (an API this torch lacks)
+        if dist.get_rank() == 0:
+            print(f"  torch context_parallel failed: {str(e).splitlines()[0][:120]}")
+        theirs = float("nan")
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    qlg, klg, vlg = (t.clone().requires_grad_() for t in (ql, kl, vl))
+    dl = cp.shard_sequence(dout)
+    fb_one = timed(
+        lambda: torch.autograd.grad(sparse_attn.flash_attention(qg, kg, vg, causal=True), (qg, kg, vg), dout), reps
+    )
+    fb_cp = timed(
+        lambda: torch.autograd.grad(
+            cp.context_parallel_attention(qlg, klg, vlg, causal=True, seq_len=length), (qlg, klg, vlg), dl
+        ),
+        reps,
+    )
+    return dict(
+        length=length,
+        world=world,
+        one_ms=one,
+        one_cudnn_ms=one_cudnn,
+        cp_ms=ours,
+        torch_cp_ms=theirs,
+        speedup=one / ours,
+        vs_torch_cp=theirs / ours,
+        fwd_bwd_one_ms=fb_one,
+        fwd_bwd_cp_ms=fb_cp,
+        fwd_bwd_speedup=fb_one / fb_cp,
+        mem_ratio=mem_cp / mem_one,
+        link_gbs=bw,
+    )
+
+
+def measure_sparse(length: int, reps: int) -> tuple[float, float]:
+    """One GPU's block_sparse_attention vs context_parallel_block_sparse_attention (all-gather) on a
+    Longformer mask (window 2048, 64 global tokens, 128-token blocks)."""
+    from sparse_attn import patterns
+
+    g = torch.Generator(device="cuda").manual_seed(length)
+    q, k, v = (torch.randn(B, H, length, D, device="cuda", dtype=DT, generator=g) for _ in range(3))
+    mask = patterns.longformer(length, 2048, range(64), device="cuda")
+    ql, kl, vl = (cp.shard_sequence(t) for t in (q, k, v))
+    one = timed(lambda: sparse_attn.block_sparse_attention(q, k, v, mask), reps)
+    ours = timed(lambda: cp.context_parallel_block_sparse_attention(ql, kl, vl, mask), reps)
+    return one, ours
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        print("run under torchrun: torchrun --nproc_per_node 2 benchmarks/bench_context_parallel.py", file=sys.stderr)
+        return 1
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda", (world,))
+    bw = link_bandwidth(world)
+    rows = []
+    if rank == 0:
+        print(f"{world} x {torch.cuda.get_device_name()}; ring exchange {bw:.0f} GB/s per direction")
+        print(
+            f"{'L':>8} {'1 GPU ours':>10} {'1 GPU cuDNN':>11} {'CP ours':>8} {'torch CP':>8} "
+            f"{'speedup':>7} {'vs torch':>8} {'fwd+bwd 1':>9} {'fwd+bwd CP':>10} {'mem':>5}"
+        )
+    for length in args.lengths:
+        row = measure(length, args.reps, mesh, world, bw)
+        rows.append(row)
+        if rank == 0:
+            print(
+                f"{length:>8} {row['one_ms']:>10.2f} {row['one_cudnn_ms']:>11.2f} {row['cp_ms']:>8.2f} "
+                f"{row['torch_cp_ms']:>8.2f} {row['speedup']:>7.2f} {row['vs_torch_cp']:>8.2f} "
+                f"{row['fwd_bwd_one_ms']:>9.2f} {row['fwd_bwd_cp_ms']:>10.2f} {row['mem_ratio']:>5.2f}"
+            )
+        torch.cuda.empty_cache()
+    for length in args.lengths:
+        one, ours = measure_sparse(length, args.reps)
+        rows.append(dict(length=length, world=world, table="longformer", one_ms=one, cp_ms=ours, speedup=one / ours))
+        if rank == 0:
+            print(f"longformer {length}: one GPU {one:.2f} ms, CP (all-gather) {ours:.2f} ms: {one / ours:.2f}x")
+        torch.cuda.empty_cache()
+    if rank == 0:
+        # Projection: P ranks, zigzag causal: P ring steps of (measured compute per step) overlapped with
+        # one K/V shard transfer each.
+        last = [r for r in rows if "one_cudnn_ms" in r][-1]
+        length = last["length"]
+        flops_rate = 4 * D * H * length * length / 2 / (last["one_ms"] * 1e-3)  # one GPU's causal rate
+        for p in (2, 4, 8):
+            for big in (length, 1 << 20):
+                step = 4 * D * H * big * big / 2 / p / p / flops_rate
+                xfer = 2 * B * H * (big / p) * D * 2 / (bw * 1e9)
+                total = p * max(step, xfer)
+                one = 4 * D * H * big * big / 2 / flops_rate
+                print(
+                    f"projection P={p} L={big}: step compute {step * 1e3:.1f} ms, K/V transfer {xfer * 1e3:.1f} ms "
+                    f"-> {one / total:.2f}x one GPU"
+                )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

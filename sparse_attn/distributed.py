@@ -1,0 +1,477 @@
+"""Context parallelism: one attention over a sequence sharded along its length across the ranks of a
+``torch.distributed`` process group (NCCL on GPUs, gloo on CPUs), forward and backward.
+
+Each rank holds a shard of ``query``, ``key`` and ``value`` (B, H, L_local, D) and gets its shard of the
+output. The sequence of length L is cut into chunks (``layout``):
+
+- ``"zigzag"`` (default): 2P chunks, rank r holds chunks r and 2P - 1 - r, concatenated: with a causal
+  mask every rank then has the same work (the head-tail balancing of ring attention);
+- ``"contiguous"``: P chunks, rank r holds chunk r.
+
+Chunk sizes differ by at most one token when P (or 2P) does not divide L. :func:`shard_sequence` and
+:func:`gather_sequence` convert between a whole sequence and the shards.
+
+Two schedules (``method``), chosen by :func:`plan_context_parallel` unless given:
+
+- ``"ring"``: P steps; the K/V shards travel around the ring (P2P send/recv, issued before each
+  step's compute so they overlap it) and every rank attends its queries to the shard at hand,
+  merging the partial outputs through their LSEs in fp32. Memory: two K/V shards per rank. The
+  backward runs the same ring, the K/V gradients travelling with their shard back to its owner.
+  Dense and causal attention (no window).
+- ``"allgather"``: K and V gathered whole (one all-gather each), then each local query chunk attends
+  to the key prefix it can see; the backward reduces the K/V gradients back to their owners. Memory:
+  the whole K and V per rank; any window.
+
+Every step runs ``flash_attention``'s kernels on views of the chunks (bottom-right alignment and
+window bounds computed per pair of chunks, so no element mask is needed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import _args
+
+__all__ = [
+    "context_parallel_attention",
+    "context_parallel_block_sparse_attention",
+    "gather_sequence",
+    "plan_context_parallel",
+    "shard_sequence",
+]
+
+_ops = torch.ops.sparse_attn
+_LAYOUTS = ("zigzag", "contiguous")
+
+
+# ------------------------------------------------------------------------------------------- layout
+def chunk_bounds(seq_len: int, world: int, layout: str = "zigzag") -> list[list[tuple[int, int]]]:
+    """Per rank, its chunks' (global offset, length), in the order they sit in its local shard."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
+    n = 2 * world if layout == "zigzag" else world
+    sizes = [seq_len // n + (1 if i < seq_len % n else 0) for i in range(n)]
+    offsets = [sum(sizes[:i]) for i in range(n)]
+    if layout == "contiguous":
+        return [[(offsets[r], sizes[r])] for r in range(world)]
+    return [[(offsets[r], sizes[r]), (offsets[n - 1 - r], sizes[n - 1 - r])] for r in range(world)]
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("context parallelism needs an initialised torch.distributed process group")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
+    """This rank's shard of a whole sequence ``x`` (the same tensor on every rank), along ``dim``."""
+    rank, world = _group_info(group)
+    parts = [x.narrow(dim, off, n) for off, n in chunk_bounds(x.shape[dim], world, layout)[rank]]
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
+
+
+def gather_sequence(x: torch.Tensor, seq_len: int, *, group=None, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
+    """The whole sequence from every rank's shard ``x`` (an all-gather; differentiable)."""
+    _, world = _group_info(group)
+    return _gather(x, chunk_bounds(seq_len, world, layout), group, dim)
+
+
+def _gather(x: torch.Tensor, bounds, group, dim: int) -> torch.Tensor:
+    shards = _AllGatherShards.apply(x.movedim(dim, 0), bounds, group)
+    pieces = []
+    for r, chunks in enumerate(bounds):
+        start = 0
+        for off, n in chunks:
+            pieces.append((off, shards[r][start : start + n]))
+            start += n
+    pieces.sort(key=lambda p: p[0])
+    return torch.cat([p for _, p in pieces], dim=0).movedim(0, dim)
+
+
+class _AllGatherShards(torch.autograd.Function):
+    """Every rank's shard (sequence dimension first; shards may differ in length by a token or two):
+    forward an all-gather of shards padded to the longest, backward the sum over ranks of each
+    shard's gradient, delivered to its owner (reduce-scatter, or all-reduce where the backend has
+    none)."""
+
+    @staticmethod
+    def forward(ctx, x, bounds, group):
+        world = len(bounds)
+        lengths = [sum(n for _, n in chunks) for chunks in bounds]
+        longest = max(lengths)
+        ctx.group, ctx.lengths, ctx.longest = group, lengths, longest
+        padded = torch.zeros((longest, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        padded[: x.shape[0]] = x
+        out = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(out, padded, group=group)
+        return tuple(o[:n] for o, n in zip(out, lengths, strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rank = dist.get_rank(ctx.group)
+        stacked = torch.zeros(
+            (len(grads), ctx.longest, *grads[0].shape[1:]), dtype=grads[0].dtype, device=grads[0].device
+        )
+        for r, g in enumerate(grads):
+            if g is not None:
+                stacked[r, : g.shape[0]] = g
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            mine = torch.empty_like(stacked[0])
+            dist.reduce_scatter_tensor(mine, stacked, group=ctx.group)
+        else:
+            dist.all_reduce(stacked, group=ctx.group)
+            mine = stacked[rank]
+        return mine[: ctx.lengths[rank]], None, None
+
+
+# --------------------------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    method: str
+    layout: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"context_parallel_attention: {self.method} ({self.layout} layout)\n  why: {self.why}"
+
+
+def plan_context_parallel(causal: bool = False, window=None, *, layout: str = "zigzag", method: str | None = None):
+    """The schedule a call would take, and why (``method`` forces one where it applies)."""
+    left, right = _args.window_bounds(window)
+    windowed = left >= 0 or (right >= 0 and not causal)
+    if method not in (None, "ring", "allgather"):
+        raise ValueError(f"method must be None, 'ring' or 'allgather', got {method!r}")
+    if method == "ring" and windowed:
+        raise ValueError("the ring schedule takes dense or causal attention; a window needs method='allgather'")
+    if method is not None:
+        return ContextParallelPlan(method, layout, "forced by method=")
+    if windowed:
+        return ContextParallelPlan(
+            "allgather", layout, "a window: each query chunk attends to the key prefix it can see of the gathered K/V"
+        )
+    return ContextParallelPlan(
+        "ring",
+        layout,
+        "dense or causal: K/V shards travel the ring while each rank computes on the one at hand (two shards "
+        "of memory per rank, the transfers hidden behind the compute)"
+        + ("; the zigzag layout gives every rank the same causal work" if causal and layout == "zigzag" else ""),
+    )
+
+
+# ---------------------------------------------------------------------------------------- the pairs
+def _pair(qo: int, lq: int, ko: int, lk: int, causal: bool):
+    """How query chunk [qo, qo + lq) attends to key chunk [ko, ko + lk) of one sequence: None (no key
+    visible), or (keys to keep, window_right for flash on them: -1 = every kept key visible)."""
+    if lq == 0 or lk == 0:
+        return None
+    if not causal:
+        return lk, -1
+    keep = min(lk, qo - ko + lq)  # keys past the last query's position are never visible
+    if keep <= 0:
+        return None
+    if qo - ko >= keep - 1:  # even the first query sees every kept key
+        return keep, -1
+    # Key j visible from query i iff ko + j <= qo + i, i.e. j <= i + (keep - lq) + right.
+    return keep, qo - ko - keep + lq
+
+
+def _merge(acc_o, acc_lse, o, lse):
+    """acc <- the softmax-weighted union of acc and a partial (o, lse), in fp32, in place."""
+    new = torch.logaddexp(acc_lse, lse)
+    finite = torch.isfinite(new)
+    w_old = torch.where(finite, torch.exp(acc_lse - new), 0.0)
+    w_new = torch.where(finite, torch.exp(lse - new), 0.0)
+    acc_o.mul_(w_old.unsqueeze(-1)).addcmul_(o, w_new.unsqueeze(-1))  # o read in place, no fp32 copy
+    acc_lse.copy_(new)
+
+
+def _rotate(tensors, group, rank, world):
+    """Starts sending ``tensors`` to the next rank and receiving the previous rank's; returns the
+    receive buffers and the requests to wait on."""
+
+    def peer(r):
+        return r if group is None else dist.get_global_rank(group, r)
+
+    bufs = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, peer((rank + 1) % world), group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, b, peer((rank - 1) % world), group) for b in bufs]
+    return bufs, dist.batch_isend_irecv(ops)
+
+
+def _pad_shard(x: torch.Tensor, bounds) -> torch.Tensor:
+    """A K or V shard, contiguous, padded along the sequence to the longest shard: what travels the
+    ring (every rank's receive buffer has one shape; each step reads only the sender's tokens)."""
+    longest = max(sum(n for _, n in chunks) for chunks in bounds)
+    if x.shape[2] == longest:
+        return x.contiguous()
+    padded = x.new_zeros(*x.shape[:2], longest, x.shape[3])
+    padded[:, :, : x.shape[2]] = x
+    return padded
+
+
+def _local_chunks(bounds_rank):
+    """(global offset, offset in the local shard, length) of a rank's chunks."""
+    start, out = 0, []
+    for off, n in bounds_rank:
+        out.append((off, start, n))
+        start += n
+    return out
+
+
+# --------------------------------------------------------------------------------------------- ring
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bounds, scale, causal, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        k, v = _pad_shard(k, bounds), _pad_shard(v, bounds)
+        b, h, lq_local, _ = q.shape
+        acc_o = torch.zeros(b, h, lq_local, v.shape[-1], dtype=torch.float32, device=q.device)
+        acc_lse = torch.full((b, h, lq_local), -math.inf, dtype=torch.float32, device=q.device)
+        q_chunks = _local_chunks(bounds[rank])
+        touched = set()  # query chunks with a partial result in the accumulators
+        cur, src, bufs = (k, v), rank, None
+        for step in range(world):
+            pending = _rotate(cur, group, rank, world) if step + 1 < world else None
+            for ko, ks, lk in _local_chunks(bounds[src]):
+                for qo, qs, lq in q_chunks:
+                    pair = _pair(qo, lq, ko, lk, causal)
+                    if pair is None:
+                        continue
+                    keep, right = pair
+                    rows, keys = slice(qs, qs + lq), slice(ks, ks + keep)
+                    o, lse = _ops.flash_fwd.default(
+                        q[:, :, rows], cur[0][:, :, keys], cur[1][:, :, keys], scale, False, -1, right
+                    )
+                    if qs in touched:
+                        _merge(acc_o[:, :, rows], acc_lse[:, :, rows], o, lse)
+                    else:  # the first partial of these rows: no merge
+                        acc_o[:, :, rows] = o
+                        acc_lse[:, :, rows] = lse
+                        touched.add(qs)
+            if pending is not None:
+                bufs, reqs = pending
+                for req in reqs:
+                    req.wait()
+                cur, src = tuple(bufs), (src - 1) % world
+        del cur, bufs, pending  # the last received K/V shard, before the output's copy is made
+        out = acc_o.to(q.dtype)
+        del acc_o
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.bounds, ctx.scale, ctx.causal, ctx.group = bounds, scale, causal, group
+        ctx.mark_non_differentiable(acc_lse)
+        return out, acc_lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors  # k, v padded to the longest shard
+        group, bounds = ctx.group, ctx.bounds
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        q_chunks = _local_chunks(bounds[rank])
+        cur, src = (k, v), rank
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for step in range(world):
+            pending = _rotate(cur, group, rank, world) if step + 1 < world else None
+            for ko, ks, lk in _local_chunks(bounds[src]):
+                for qo, qs, lq in q_chunks:
+                    pair = _pair(qo, lq, ko, lk, ctx.causal)
+                    if pair is None:
+                        continue
+                    keep, right = pair
+                    rows, keys = slice(qs, qs + lq), slice(ks, ks + keep)
+                    gq, gk, gv = _ops.flash_bwd.default(
+                        grad_out[:, :, rows],
+                        q[:, :, rows],
+                        cur[0][:, :, keys],
+                        cur[1][:, :, keys],
+                        out[:, :, rows],
+                        lse[:, :, rows],
+                        None,
+                        ctx.scale,
+                        False,
+                        -1,
+                        right,
+                    )
+                    dq[:, :, rows] += gq
+                    dk[:, :, keys] += gk
+                    dv[:, :, keys] += gv
+            # The gradients travel with their K/V shard; after the last step one more hop brings
+            # each shard's gradients home.
+            grads, reqs = _rotate((dk, dv), group, rank, world)
+            for req in reqs:
+                req.wait()
+            dk, dv = grads
+            if pending is not None:
+                bufs, reqs = pending
+                for req in reqs:
+                    req.wait()
+                cur, src = tuple(bufs), (src - 1) % world
+        mine = sum(n for _, n in bounds[rank])
+        return dq.to(q.dtype), dk[:, :, :mine].to(k.dtype), dv[:, :, :mine].to(v.dtype), None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------ allgather
+def _allgather_attention(q, k, v, bounds, rank, seq_len, scale, left, right, group):
+    """Each local query chunk [qo, qo + lq) against keys [0, end) of the gathered K/V, end the first
+    key no query of the chunk can see: flash's bottom-right alignment then puts query i at global
+    position qo + i, and the window's bounds shift by that alignment (both stay >= 0)."""
+    k_all = _gather(k, bounds, group, 2)
+    v_all = _gather(v, bounds, group, 2)
+    outs, lses = [], []
+    for qo, qs, lq in _local_chunks(bounds[rank]):
+        end = seq_len if right < 0 else min(seq_len, qo + lq + right)
+        w_right = -1 if right < 0 else qo + right - end + lq
+        w_left = -1 if left < 0 else end - lq - qo + left
+        o, lse = _ops.flash_fwd.default(
+            q[:, :, qs : qs + lq], k_all[:, :, :end], v_all[:, :, :end], scale, False, w_left, w_right
+        )
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------- API
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    scale: float | None = None,
+    seq_len: int | None = None,
+    layout: str = "zigzag",
+    method: str | None = None,
+    return_lse: bool = False,
+):
+    """``flash_attention`` over a sequence sharded along its length across ``group``.
+
+    Parameters
+    ----------
+    query, key, value : Tensor
+        This rank's shards, (B, H, L_r, D), (B, Hkv, L_r, D), (B, Hkv, L_r, Dv): chunks of one
+        sequence laid out by ``layout`` (:func:`shard_sequence` makes them from a whole sequence).
+    group : ProcessGroup, optional
+        The ranks that share the sequence (default: the world).
+    causal, window, scale
+        As ``flash_attention``, over the whole sequence.
+    seq_len : int, optional
+        The whole sequence's length; default: the sum of the ranks' shard lengths (one all-reduce).
+    layout : {"zigzag", "contiguous"}
+        How the sequence is cut into the ranks' shards (module docstring).
+    method : {None, "ring", "allgather"}
+        The schedule; None lets :func:`plan_context_parallel` choose.
+    return_lse : bool
+        Also return this rank's LSE shard, fp32 (B, H, L_r) (not differentiable on the ring).
+
+    Returns
+    -------
+    Tensor (B, H, L_r, Dv): this rank's shard of the output, or (out, lse).
+    """
+    rank, world = _group_info(group)
+    _args.check_inputs(query, key, value)
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"query and key shards must have the same length (self-attention over one sequence), got "
+            f"{query.shape[2]} and {key.shape[2]}"
+        )
+    if seq_len is None:
+        total = torch.tensor([query.shape[2]], dtype=torch.int64, device=query.device)
+        dist.all_reduce(total, group=group)
+        seq_len = int(total.item())
+    bounds = chunk_bounds(seq_len, world, layout)
+    mine = sum(n for _, n in bounds[rank])
+    if query.shape[2] != mine:
+        raise ValueError(
+            f"rank {rank}'s shard has {query.shape[2]} tokens, but the {layout} layout of {seq_len} tokens over "
+            f"{world} ranks gives it {mine}"
+        )
+    left, right = _args.window_bounds(window)
+    if causal:
+        right = 0
+    plan = plan_context_parallel(causal, window, layout=layout, method=method)
+    scale = _args.scale(scale)
+    if plan.method == "ring":
+        out, lse = _Ring.apply(query, key, value, bounds, scale, bool(causal), group)
+    else:
+        out, lse = _allgather_attention(query, key, value, bounds, rank, seq_len, scale, left, right, group)
+    return (out, lse) if return_lse else out
+
+
+def _mask_rows(mask, q0: int, lq: int):
+    """The rows [q0, q0 + lq) of a block-sparse mask (q0 and, unless it ends the sequence, lq
+    multiples of its query block) as a mask of (lq, Lk)."""
+    from .masks import BlockSparseMask
+
+    qb = mask.q_block
+    b0, b1 = q0 // qb, -(-(q0 + lq) // qb)
+    return BlockSparseMask._trusted(
+        mask.kv_num_blocks[:, :, b0:b1],
+        mask.kv_indices[:, :, b0:b1],
+        mask.kv_partial[:, :, b0:b1],
+        mask.partial_masks,
+        (lq, mask.seq_lengths[1]),
+        mask.block_size,
+    )
+
+
+def context_parallel_block_sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask,
+    *,
+    group=None,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+):
+    """``block_sparse_attention`` under a global ``mask`` (a ``BlockSparseMask`` of the whole
+    sequence, the same on every rank) over a sequence sharded across ``group``. K and V are gathered
+    (one all-gather each, differentiable); each rank computes only its query chunks' rows of the mask.
+    The chunks of ``layout`` must start at multiples of the mask's query block (e.g. L a multiple of
+    2P * q_block for the zigzag layout).
+
+    Returns this rank's output shard (B, H, L_r, Dv), or (out, lse).
+    """
+    from .masks import BlockSparseMask
+    from .ops import block_sparse_attention
+
+    rank, world = _group_info(group)
+    if not isinstance(mask, BlockSparseMask):
+        raise TypeError(f"mask must be a BlockSparseMask of the whole sequence, got {type(mask).__name__}")
+    _args.check_inputs(query, key, value)
+    seq_len = mask.seq_lengths[1]
+    if mask.seq_lengths[0] != seq_len:
+        raise ValueError(f"the mask must be square over the whole sequence, got seq_lengths={mask.seq_lengths}")
+    bounds = chunk_bounds(seq_len, world, layout)
+    mine = sum(n for _, n in bounds[rank])
+    if query.shape[2] != mine or key.shape[2] != mine:
+        raise ValueError(
+            f"rank {rank}'s shards have {query.shape[2]} / {key.shape[2]} tokens; the {layout} layout of the mask's "
+            f"{seq_len} tokens over {world} ranks gives it {mine}"
+        )
+    starts = [off for chunks in bounds for off, _ in chunks]
+    if any(off % mask.q_block for off in starts):
+        raise ValueError(
+            f"every chunk must start at a multiple of the mask's query block ({mask.q_block}): "
+            f"the {layout} layout of {seq_len} tokens over {world} ranks starts chunks at {sorted(starts)}"
+        )
+    k_all = _gather(key, bounds, group, 2)
+    v_all = _gather(value, bounds, group, 2)
+    outs, lses = [], []
+    for qo, qs, lq in _local_chunks(bounds[rank]):
+        o, lse = block_sparse_attention(
+            query[:, :, qs : qs + lq], k_all, v_all, _mask_rows(mask, qo, lq), scale=scale, return_lse=True
+        )
+        outs.append(o)
+        lses.append(lse)
+    out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    return (out, lse) if return_lse else out
