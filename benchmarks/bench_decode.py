@@ -9,7 +9,7 @@ bytes over time, from the same run.
 SDPA runs with enable_gqa (no K/V expansion); with several new tokens it runs without a causal
 mask (its causal mask is top-left aligned), which reads the same bytes.
 
-    python benchmarks/bench_decode.py                   # the decode, paged, sparse and varlen tables
+    python benchmarks/bench_decode.py                   # the decode, paged, sparse, top-k and varlen tables
     python benchmarks/bench_decode.py --quick           # a few shapes
     python benchmarks/bench_decode.py --json out.json   # also write the rows
 """
@@ -239,6 +239,48 @@ def sparse_rows(args, copy_bw, rows, b, length) -> list[str]:
     return out
 
 
+def topk_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
+    """Top-k decode: the lightning indexer (HI = 4, DI = 64) scores the cache's index keys, the top
+    blocks (sink and newest included) form the mask, and the decode reads only those blocks."""
+    out = [
+        "top-k decode: kvcache_topk_mask (indexer over (B, L, 64) index keys, top blocks of 128) + sparse decode,",
+        "one new token, against dense decode",
+        f"{'B':>3} {'L':>7} {'blocks':>6} {'mask ms':>8} {'total ms':>8} {'dense ms':>8} {'speedup':>7}",
+    ]
+    for b, length in args.sparse_shapes:
+        q, kc, vc, lens = inputs(b, length, 1)
+        iq = torch.randn(b, 1, 4, 64, device="cuda", dtype=DT)
+        iw = torch.rand(b, 1, 4, device="cuda", dtype=DT)
+        ik = torch.randn(b, length, 64, device="cuda", dtype=DT)
+        t_dense = time_graph(decode(q, kc, vc, lens))
+        for blocks in args.topk_blocks:
+
+            def mask_only(iq=iq, iw=iw, ik=ik, lens=lens, blocks=blocks):
+                return sparse_attn.kvcache_topk_mask(iq, iw, ik, lens, blocks)
+
+            def both(q=q, kc=kc, vc=vc, lens=lens, mask_only=mask_only):
+                return sparse_attn.attention_with_kvcache(q, kc, vc, lens, mask=mask_only())
+
+            t_mask, t_all = time_graph(mask_only), time_graph(both)
+            rows.append(
+                dict(
+                    table="topk",
+                    b=b,
+                    length=length,
+                    blocks=blocks,
+                    mask_ms=t_mask,
+                    ms=t_all,
+                    dense_ms=t_dense,
+                    speedup=t_dense / t_all,
+                )
+            )
+            out.append(
+                f"{b:>3} {length:>7} {blocks:>6} {t_mask:>8.4f} {t_all:>8.4f} {t_dense:>8.4f} {t_dense / t_all:>7.2f}"
+            )
+        torch.cuda.empty_cache()
+    return out
+
+
 def varlen_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
     """Prefill of a packed mixed batch (causal) against one sequence of the same causal work."""
     out = [
@@ -290,7 +332,7 @@ def varlen_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--tables", nargs="+", default=["decode", "paged", "sparse", "varlen"])
+    parser.add_argument("--tables", nargs="+", default=["decode", "paged", "sparse", "topk", "varlen"])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--splits", type=int, nargs="+", help="also time these split-KV counts (decode table)")
     args = parser.parse_args(argv)
@@ -301,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         args.paged_shapes, args.pages = [(8, 32768)], [16, 256]
         args.sparse_shapes, args.keep = [(1, 131072)], [0.1]
         args.varlen_batches = [[1024, 4096, 16384, 32768]]
+        args.topk_blocks = [51]
     else:
         args.shapes = [
             (b, length, lq)
@@ -311,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         args.paged_shapes, args.pages = [(1, 32768), (8, 32768)], [1, 16, 64, 256]
         args.sparse_shapes, args.keep = [(1, 131072), (8, 131072)], [0.05, 0.1, 0.25]
+        args.topk_blocks = [51, 102]
         args.varlen_batches = [
             [1024, 4096, 16384, 32768],
             [1024, 2048, 3072, 8192, 8192, 12288, 32768, 1024],
@@ -319,7 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.2f} TB/s (1 GiB, read + write)")
     rows: list[dict] = []
-    tables = {"decode": decode_table, "paged": paged_table, "sparse": sparse_table, "varlen": varlen_table}
+    tables = {
+        "decode": decode_table,
+        "paged": paged_table,
+        "sparse": sparse_table,
+        "topk": topk_table,
+        "varlen": varlen_table,
+    }
     for name in args.tables:
         print("\n".join(tables[name](args, copy_bw, rows)), flush=True)
         print()

@@ -26,6 +26,7 @@ from .ops import (
     dense_attention,
     flash_attention,
     flash_attention_varlen,
+    kvcache_topk_mask,
     topk_attention,
     topk_attention_varlen,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "explain",
     "flash_attention",
     "flash_attention_varlen",
+    "kvcache_topk_mask",
     "patterns",
     "reference",
     "topk_attention",

@@ -4,6 +4,8 @@ cache gathered per sequence and ``dense_fwd`` with the element mask the kernel a
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .masks import BlockSparseMask
@@ -146,3 +148,65 @@ def composite(
     k = torch.where(keep, _cache_view(key_cache, block_table), 0)
     v = torch.where(keep, _cache_view(value_cache, block_table), 0)
     return _ops.dense_fwd.default(query, k, v, vis, scale, False)
+
+
+def topk_mask(
+    index_query,
+    index_weights,
+    index_key_cache,
+    cache_seqlens,
+    k: int,
+    *,
+    block_size: int = 128,
+    sinks: int = 1,
+    recent: int = 1,
+):
+    """The decode mask of the k cache blocks a lightning indexer scores highest, per sequence
+    (``kvcache_topk_mask``'s work; no host synchronisation)."""
+    if block_size not in (64, 128):
+        raise ValueError(f"block_size must be 64 or 128, got {block_size}")
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if index_query.dim() != 4 or index_weights.dim() != 3 or index_key_cache.dim() != 3:
+        raise ValueError(
+            "index_query must be (B, Lq, HI, DI), index_weights (B, Lq, HI) and index_key_cache (B, Lmax, DI), got "
+            f"{tuple(index_query.shape)}, {tuple(index_weights.shape)}, {tuple(index_key_cache.shape)}"
+        )
+    b, lq, hi, di = index_query.shape
+    lmax = index_key_cache.shape[1]
+    if index_weights.shape != (b, lq, hi) or index_key_cache.shape[0] != b or index_key_cache.shape[2] != di:
+        raise ValueError("index_query, index_weights and index_key_cache disagree in B, Lq, HI or DI")
+    if lq > 128:
+        raise ValueError(f"a decode mask serves at most 128 new tokens, got {lq}")
+    dev = index_query.device
+    # score(t) = sum_j w[j] relu(q_j . k_t), the max over the new tokens; past the length: -inf.
+    # Two batched GEMMs (the index keys read in place): q . k for every (token, head), then the
+    # weighted sum over the heads.
+    s = torch.matmul(index_query.reshape(b, lq * hi, di), index_key_cache.transpose(1, 2)).relu_()
+    s = torch.matmul(index_weights.reshape(b * lq, 1, hi).to(s.dtype), s.view(b * lq, hi, lmax))
+    s = s.view(b, lq, lmax).amax(1).float()  # (B, Lmax)
+    lens = cache_seqlens.long().clamp(0, lmax)
+    pos = torch.arange(lmax, device=dev)
+    s = torch.where(pos[None, :] < lens[:, None], s, -math.inf)
+    nkb = -(-lmax // block_size)
+    s = torch.nn.functional.pad(s, (0, nkb * block_size - lmax), value=-math.inf)
+    block = s.view(b, nkb, block_size).amax(-1)
+    # The first `sinks` and the `recent` newest blocks always (when they hold tokens).
+    ids = torch.arange(nkb, device=dev)
+    last = (lens - 1).clamp(min=0) // block_size
+    forced = (ids[None, :] < sinks) | ((ids[None, :] <= last[:, None]) & (ids[None, :] > last[:, None] - recent))
+    block = torch.where(forced & (block > -math.inf), math.inf, block)
+    kk = min(k, nkb)
+    top = block.topk(kk, dim=-1)
+    chosen = top.values > -math.inf
+    picked = torch.where(chosen, top.indices, nkb).sort(-1).values  # ascending, unused at the end
+    count = chosen.sum(-1, dtype=torch.int32)
+    kv_indices = torch.where(picked < nkb, picked, 0).to(torch.int32)
+    return BlockSparseMask._trusted(
+        count.view(b, 1, 1).contiguous(),
+        kv_indices.view(b, 1, 1, kk).contiguous(),
+        torch.full((b, 1, 1, kk), -1, dtype=torch.int32, device=dev),
+        torch.zeros(0, 128, block_size // 32, dtype=torch.int32, device=dev),
+        (lq, lmax),
+        (128, block_size),
+    )

@@ -261,6 +261,11 @@ def _explain_block_sparse(a, tgt) -> Plan:
 
 def _explain_topk(a, tgt) -> Plan:
     q, k, v = a["query"], a["key"], a["value"]
+    if a["indices"] is not None:
+        heads = a["indices"].shape[1]
+        gather = _launch("gather_fwd", _ops._plan_gather.default(q, k, v, heads, *tgt))
+        why = "a selection made elsewhere (indices=): its keys, or its blocks' keys, through the gathered attention"
+        return Plan("topk_attention", "user_topk", why, (gather,))
     indexer = [a[n] is not None for n in ("index_query", "index_key", "index_weights")]
     if any(indexer) and not all(indexer):
         raise ValueError("index_query, index_key and index_weights must be given together")

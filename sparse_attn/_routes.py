@@ -185,3 +185,38 @@ def block_topk_mask(query, key, k: int, block_size: int, causal: bool):
         bits = torch.zeros(0, block_size, block_size // 32, dtype=torch.int32, device=query.device)
     mask = BlockSparseMask._from_table(table, bits, (lq, lk), (block_size, block_size), max_kv_blocks=kk, compact=False)
     return mask, chosen
+
+
+def user_selection(query, key, indices, k, block_size, causal: bool) -> torch.Tensor:
+    """A user's selection (B, G, Lq, k) of keys or key blocks as the gather kernel's token indices
+    (B, G, Lq, k or k * block_size), -1 for a listed key hidden by ``causal`` (bottom-right) or
+    past Lk. Checks its layout; reads no value on the host."""
+    b, h, lq = query.shape[0], query.shape[1], query.shape[2]
+    hkv, lk = key.shape[1], key.shape[2]
+    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 4:
+        raise ValueError(
+            f"indices must be an int32 tensor (B, G, Lq, k), got {getattr(indices, 'dtype', type(indices).__name__)}"
+            f" {tuple(getattr(indices, 'shape', ()))}"
+        )
+    if indices.device != query.device:
+        raise ValueError(f"indices must be on query's device ({query.device}), got {indices.device}")
+    g = indices.shape[1]
+    if indices.shape[0] != b or indices.shape[2] != lq or g not in (1, hkv, h):
+        raise ValueError(
+            f"indices must have shape (B={b}, G, Lq={lq}, k) with G in (1, Hkv={hkv}, H={h}), "
+            f"got {tuple(indices.shape)}"
+        )
+    if k is not None and k != indices.shape[3]:
+        raise ValueError(
+            f"k ({k}) must equal the selection's last dimension ({indices.shape[3]}) when indices are given"
+        )
+    if block_size not in (None, 64, 128):
+        raise ValueError(f"block_size must be None (tokens), 64 or 128, got {block_size}")
+    tok = indices
+    if block_size is not None:  # each listed block: its block_size keys
+        offs = torch.arange(block_size, dtype=torch.int32, device=indices.device)
+        tok = torch.where(indices[..., None] >= 0, indices[..., None] * block_size + offs, -1).flatten(-2)
+    if causal:
+        limit = torch.arange(lq, device=indices.device, dtype=torch.int32) + (lk - lq)  # last visible key per row
+        tok = torch.where(tok <= limit[:, None], tok, -1)
+    return torch.where((tok >= 0) & (tok < lk), tok, -1).to(torch.int32).contiguous()

@@ -19,6 +19,7 @@ __all__ = [
     "dense_attention",
     "flash_attention",
     "flash_attention_varlen",
+    "kvcache_topk_mask",
     "topk_attention",
     "topk_attention_varlen",
 ]
@@ -195,7 +196,7 @@ def topk_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    k: int,
+    k: int | None = None,
     *,
     block_size: int | None = None,
     causal: bool = False,
@@ -203,6 +204,7 @@ def topk_attention(
     index_query: torch.Tensor | None = None,
     index_key: torch.Tensor | None = None,
     index_weights: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
     return_indices: bool = False,
     return_lse: bool = False,
 ):
@@ -237,6 +239,14 @@ def topk_attention(
         Softmax scale, default ``1 / sqrt(D)``.
     index_query, index_key, index_weights : Tensor, optional
         Lightning-indexer inputs (token mode only), same dtype as each other.
+    indices : Tensor, optional
+        A selection made elsewhere (NSA, MoBA, Quest, cuDNN's sparse attention): int32
+        (B, G, Lq, k) with G in {1, Hkv, H} (shared by all heads, per K/V head, per query head),
+        -1 padded, of keys (``block_size=None``) or of key blocks of ``block_size`` tokens (64 or
+        128), per query token. Each query attends to the listed keys (a listed block: all of its
+        keys), under ``causal`` only the visible ones; a key listed twice counts twice. ``k`` is
+        then optional (the selection's last dimension). No selection runs; gradients flow to
+        query, key and value as for a selection made here.
     return_indices : bool
         Also return the selection, int32, ascending, -1 where fewer than k are visible:
         (B, H, Lq, k) per head, (B, 1, Lq, k) from the indexer, (B, H, nQb, k') key blocks in block
@@ -256,11 +266,18 @@ def topk_attention(
     >>> idx.shape
     torch.Size([1, 2, 256, 32])
     """
+    scale = _args.scale(scale)
+    if indices is not None:
+        if any(t is not None for t in (index_query, index_key, index_weights)):
+            raise ValueError("indices is a selection made elsewhere: it cannot be combined with the indexer inputs")
+        _args.check_inputs(query, key, value)
+        token_indices = _routes.user_selection(query, key, indices, k, block_size, bool(causal))
+        out, lse = _ops.gather_fwd.default(query, key, value, token_indices, scale)
+        return _result(out, lse, indices, return_lse, return_indices)
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
     if k <= 0:
         raise ValueError(f"k must be positive, got {k}")
-    scale = _args.scale(scale)
     given = [t is not None for t in (index_query, index_key, index_weights)]
     if any(given) and not all(given):
         raise ValueError("index_query, index_key and index_weights must be given together")
@@ -381,6 +398,65 @@ def attention_with_kvcache(
     else:
         out, lse = _kvcache.composite(*args, scale, left, right)
     return _result(out, lse, None, return_lse)
+
+
+def kvcache_topk_mask(
+    index_query: torch.Tensor,
+    index_weights: torch.Tensor,
+    index_key_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k: int,
+    *,
+    block_size: int = 128,
+    sinks: int = 1,
+    recent: int = 1,
+):
+    """Top-k decode: the mask of the k cache blocks a lightning indexer scores highest, for
+    ``attention_with_kvcache(..., mask=...)``, which then reads only those blocks.
+
+    A token's score is DeepSeek V3.2's ``sum_j w[j] * relu(q_I[j] . k_I[t])`` (the max over the new
+    tokens), a block's the max over its tokens; the first ``sinks`` blocks (attention sinks) and
+    the ``recent`` blocks holding the newest tokens are always kept and count towards k. Built
+    with device ops only (no host synchronisation; capturable in a CUDA graph).
+
+    Parameters
+    ----------
+    index_query : Tensor (B, Lq, HI, DI)
+        The new tokens' indexer queries.
+    index_weights : Tensor (B, Lq, HI)
+    index_key_cache : Tensor (B, Lmax, DI)
+        The indexer's keys of the cached tokens (Lmax = the KV cache's capacity), kept by the
+        caller next to the KV cache, the new tokens' keys included.
+    cache_seqlens : Tensor (B,), int32
+        Tokens that count, the new ones included (the KV cache's lengths after the append).
+    k : int
+        Blocks per sequence.
+    block_size : int
+        64 or 128 tokens per block.
+
+    Returns
+    -------
+    BlockSparseMask of seq_lengths (Lq, Lmax), one selection per sequence shared by its heads.
+
+    Examples
+    --------
+    >>> import torch, sparse_attn
+    >>> iq = torch.randn(2, 1, 4, 64); iw = torch.rand(2, 1, 4); ik = torch.randn(2, 1024, 64)
+    >>> lens = torch.tensor([700, 1024], dtype=torch.int32)
+    >>> mask = sparse_attn.kvcache_topk_mask(iq, iw, ik, lens, 3)
+    >>> mask.kv_num_blocks.flatten().tolist()
+    [3, 3]
+    """
+    return _kvcache.topk_mask(
+        index_query,
+        index_weights,
+        index_key_cache,
+        cache_seqlens,
+        k,
+        block_size=block_size,
+        sinks=sinks,
+        recent=recent,
+    )
 
 
 def flash_attention_varlen(

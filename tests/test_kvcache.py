@@ -371,3 +371,33 @@ def test_explain_cpu():
     plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q.bfloat16(), long, long, lens, target="sm90")
     # 4 pairs, 396 CTA slots: 32 splits of the 128 key tiles (4 tiles each, the plan's minimum).
     assert plan.route == "decode_split_kv" and plan.launches[0].options["num_splits"] == 32, str(plan)
+
+
+def test_kvcache_topk_mask(device):
+    # The indexer's top blocks, sinks and the newest block always; blocks past a length never.
+    b, lq, hi, di, lmax, bs = 2, 1, 4, 32, 1024, 128
+    g = torch.Generator().manual_seed(11)
+    iq = torch.randn(b, lq, hi, di, generator=g)
+    iw = torch.rand(b, lq, hi, generator=g)
+    ik = torch.randn(b, lmax, di, generator=g)
+    lens = torch.tensor([300, 1000], dtype=torch.int32)
+    mask = sparse_attn.kvcache_topk_mask(*(t.to(device) for t in (iq, iw, ik, lens)), 4, block_size=bs)
+    scores = (torch.einsum("bqhd,bld->bqhl", iq, ik).relu() * iw[..., None]).sum(2).amax(1)
+    for i, n in enumerate(lens.tolist()):
+        nb = -(-n // bs)
+        block = scores[i, :n].tolist() + [float("-inf")] * (nb * bs - n)
+        block = torch.tensor(block).view(nb, bs).amax(-1)
+        forced = {0, nb - 1}
+        rest = [j for j in block.argsort(descending=True).tolist() if j not in forced]
+        want = sorted(forced | set(rest[: max(0, 4 - len(forced))]))[: min(4, nb)]
+        cnt = int(mask.kv_num_blocks[i, 0, 0])
+        assert mask.kv_indices[i, 0, 0, :cnt].tolist() == want
+    # The mask drives a sparse decode that reads exactly those blocks.
+    cache = Cache(b, 2, 64, 64, lens.tolist(), lmax, dtype=torch.bfloat16, device=device)
+    q = torch.randn(b, 4, lq, 64, generator=g).to(torch.bfloat16).to(device)
+    out = sparse_attn.attention_with_kvcache(q, cache.k, cache.v, cache.lens, mask=mask)
+    sel = torch.zeros(b, 1, lmax // bs, dtype=torch.bool)
+    for i in range(b):
+        sel[i, 0, mask.kv_indices[i, 0, 0, : int(mask.kv_num_blocks[i, 0, 0])].long().cpu()] = True
+    gold, lp, _ = expected(cache, q, None, None, block_sel=sel.expand(b, 2, -1), kv_block=bs)
+    check_close("topk decode", out, gold, lp, dtype=torch.bfloat16)

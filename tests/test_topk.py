@@ -61,9 +61,7 @@ def check_selection_layout(idx, scores, k, causal):
     assert bool((idx[~want_valid] == -1).all())
     live = idx.long().clamp(min=0)
     assert bool((live < lk).all())
-    assert bool(visible.expand(*idx.shape[:-1], lk).gather(-1, live)[want_valid].all()), (
-        "selected a hidden key"
-    )
+    assert bool(visible.expand(*idx.shape[:-1], lk).gather(-1, live)[want_valid].all()), "selected a hidden key"
     if kk > 1:
         inc = idx[..., 1:] > idx[..., :-1]
         assert bool(inc[want_valid[..., 1:]].all()), "indices must be strictly ascending"
@@ -112,9 +110,7 @@ def test_token_selection_exact_on_integer_inputs(dtype, shape, causal, k_sel, de
     q = small_ints((b, h, lq, d), seed, dtype, device)
     k = small_ints((b, hkv, lk, d), seed + 1, dtype, device)
     _, v, _ = make_qkv(b, hkv, hkv, lk, lk, d, dtype=dtype, device=device, seed=seed)
-    out, lse, idx = sparse_attn.topk_attention(
-        q, k, v, k_sel, causal=causal, return_indices=True, return_lse=True
-    )
+    out, lse, idx = sparse_attn.topk_attention(q, k, v, k_sel, causal=causal, return_indices=True, return_lse=True)
     scores = head_scores(q, k).cpu()
     want = reference.topk_indices(scores, k_sel, causal=causal)
     assert torch.equal(idx.cpu(), want), f"selection differs at {(idx.cpu() != want).nonzero()[:4].tolist()}"
@@ -190,9 +186,7 @@ def test_token_selection_when_one_bin_overflows(device):
 def test_token_selection_property_on_random_inputs(dtype, shape, causal, k_sel, device):
     b, h, hkv, lq, lk, d = SHAPES[shape]
     q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=dtype, device=device, seed=k_sel + 100 * causal)
-    out, lse, idx = sparse_attn.topk_attention(
-        q, k, v, k_sel, causal=causal, return_indices=True, return_lse=True
-    )
+    out, lse, idx = sparse_attn.topk_attention(q, k, v, k_sel, causal=causal, return_indices=True, return_lse=True)
     scores = head_scores(q, k).cpu()
     # Scores are fp32 sums of d products of the inputs: allow their rounding, nothing more.
     tol = 1e-6 * d * float(scores.abs().max())
@@ -207,9 +201,7 @@ def test_k_at_least_lk_equals_dense(dtype, shape, causal, device):
     b, h, hkv, lq, lk, d = SHAPES[shape]
     q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=dtype, device=device, seed=21)
     for k_sel in (lk, lk + 3, 1 << 20):
-        out, lse, idx = sparse_attn.topk_attention(
-            q, k, v, k_sel, causal=causal, return_indices=True, return_lse=True
-        )
+        out, lse, idx = sparse_attn.topk_attention(q, k, v, k_sel, causal=causal, return_indices=True, return_lse=True)
         assert idx.shape[-1] == lk
         check_attention(out, lse, q, k, v, causal=causal, name=f"k={k_sel} vs dense")
         gold, _ = reference.attention(q, k, v, causal=causal)
@@ -228,9 +220,7 @@ def test_rows_with_no_visible_key(indexer, device):
             "index_key": small_ints((b, lk, 32), 2, torch.bfloat16, device),
             "index_weights": small_ints((b, lq, 2), 3, torch.bfloat16, device),
         }
-    out, lse, idx = sparse_attn.topk_attention(
-        q, k, v, 4, causal=True, return_indices=True, return_lse=True, **extra
-    )
+    out, lse, idx = sparse_attn.topk_attention(q, k, v, 4, causal=True, return_indices=True, return_lse=True, **extra)
     empty = slice(0, lq - lk)
     assert bool((idx[:, :, empty] == -1).all())
     assert bool((out[:, :, empty] == 0).all()), "a row with no visible key is exactly 0"
@@ -261,9 +251,7 @@ def test_strided_inputs_select_and_attend_like_contiguous(device):
     )
     assert torch.equal(idx, idx_c)
     check_gather(out, None, q, k, v, idx, name="strided")
-    check_close(
-        "strided vs contiguous", out, reference.gather_attention(q, k, v, idx)[0], out_c, dtype=q.dtype
-    )
+    check_close("strided vs contiguous", out, reference.gather_attention(q, k, v, idx)[0], out_c, dtype=q.dtype)
 
 
 def unique_indices(b, hi, lq, lk, k, seed, device):
@@ -380,8 +368,7 @@ def test_indexer_scores_reference_is_the_formula():
         for t in range(5):
             for s in range(7):
                 want[b, t, s] = sum(
-                    iw[b, t, j].double() * torch.relu(iq[b, t, j].double() @ ik[b, s].double())
-                    for j in range(3)
+                    iw[b, t, j].double() * torch.relu(iq[b, t, j].double() @ ik[b, s].double()) for j in range(3)
                 )
     assert torch.allclose(got, want, atol=1e-12)
 
@@ -515,9 +502,7 @@ def test_block_mode_k_at_least_nkb_equals_dense(lengths, block_size, causal, dev
     q, k, v = make_qkv(2, 4, 2, lq, lk, 64, dtype=torch.bfloat16, device=device, seed=61)
     nk = math.ceil(lk / block_size)
     for k_sel in (nk, nk + 1, 1000):
-        out, lse = sparse_attn.topk_attention(
-            q, k, v, k_sel, block_size=block_size, causal=causal, return_lse=True
-        )
+        out, lse = sparse_attn.topk_attention(q, k, v, k_sel, block_size=block_size, causal=causal, return_lse=True)
         check_attention(out, lse, q, k, v, causal=causal, name=f"block mode k={k_sel} >= nKb={nk}")
 
 
@@ -573,3 +558,79 @@ def test_bad_k_raises(bad, exc, mode):
     else:
         mask = indices_mask(idx, 100, 2)
     check_attention(out, lse, q, k, v, mask=mask)
+
+
+# ---- user selections (indices=) ----
+
+
+def _user_reference(q, k, v, sel, block_size, causal):
+    """fp64 attention over each query's listed keys (blocks expanded), causal applied, duplicates counted."""
+    b, h, lq, _ = q.shape
+    lk = k.shape[2]
+    g = sel.shape[1]
+    tok = sel.long()
+    if block_size:
+        tok = torch.where(tok[..., None] >= 0, tok[..., None] * block_size + torch.arange(block_size), -1).flatten(-2)
+    tok = tok.repeat_interleave(h // g, dim=1)
+    counts = torch.zeros(b, h, lq, lk + 1, dtype=torch.float64)
+    tok = torch.where((tok >= 0) & (tok < lk), tok, lk)
+    counts.scatter_add_(-1, tok, torch.ones_like(tok, dtype=torch.float64))
+    counts = counts[..., :lk]
+    if causal:
+        counts = counts * sparse_attn.reference.causal_mask(lq, lk).double()
+    kk = k.double().repeat_interleave(h // k.shape[1], dim=1)
+    vv = v.double().repeat_interleave(h // v.shape[1], dim=1)
+    s = (q.double() @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    w = torch.exp(s - s.amax(-1, keepdim=True)) * counts
+    den = w.sum(-1, keepdim=True)
+    return torch.where(den > 0, (w @ vv) / den.clamp_min(1e-300), 0.0)
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [None, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_user_selection(device, g, block_size, causal):
+    b, h, hkv, lq, lk, d = 2, 4, 2, 70, 200, 64
+    gen = torch.Generator().manual_seed(g * 10 + (block_size or 0) + causal)
+    q = torch.randn(b, h, lq, d, generator=gen)
+    k = torch.randn(b, hkv, lk, d, generator=gen)
+    v = torch.randn(b, hkv, lk, d, generator=gen)
+    n_units = lk if block_size is None else -(-lk // block_size)
+    sel = torch.randint(-1, n_units, (b, g, lq, 5 if block_size is None else 2), generator=gen).to(torch.int32)
+    gold = _user_reference(q, k, v, sel, block_size, causal)
+    dev = [t.to(device) for t in (q, k, v, sel)]
+    out, idx = sparse_attn.topk_attention(
+        dev[0], dev[1], dev[2], indices=dev[3], block_size=block_size, causal=causal, return_indices=True
+    )
+    assert torch.equal(idx.cpu(), sel)
+    torch.testing.assert_close(out.cpu().double(), gold, atol=2e-5, rtol=2e-5)
+
+
+def test_user_selection_gradients(device):
+    b, h, lq, lk, d = 1, 2, 12, 40, 32
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen) for n in (lq, lk, lk))
+    sel = torch.randint(-1, lk, (b, 1, lq, 6), generator=gen).to(torch.int32)
+    ours = [t.to(device).requires_grad_() for t in (q, k, v)]
+    gold = [t.double().requires_grad_() for t in (q, k, v)]
+    out = sparse_attn.topk_attention(*ours, indices=sel.to(device), causal=True)
+    ref = _user_reference(*gold, sel, None, True)
+    dout = torch.randn(ref.shape, generator=gen)
+    got = torch.autograd.grad(out, ours, dout.to(device))
+    want = torch.autograd.grad(ref, gold, dout.double())
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a.cpu().double(), w, atol=1e-4, rtol=1e-4)
+
+
+def test_user_selection_bad_input():
+    q = k = v = torch.randn(1, 4, 16, 32)
+    with pytest.raises(ValueError, match="int32"):
+        sparse_attn.topk_attention(q, k, v, indices=torch.zeros(1, 1, 16, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="G in"):
+        sparse_attn.topk_attention(q, k, v, indices=torch.zeros(1, 3, 16, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="must equal the selection's last dimension"):
+        sparse_attn.topk_attention(q, k, v, 4, indices=torch.zeros(1, 1, 16, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_size"):
+        sparse_attn.topk_attention(q, k, v, indices=torch.zeros(1, 1, 16, 3, dtype=torch.int32), block_size=32)
+    with pytest.raises(TypeError, match="k must be an int"):
+        sparse_attn.topk_attention(q, k, v)
