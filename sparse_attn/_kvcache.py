@@ -210,3 +210,22 @@ def topk_mask(
         (lq, lmax),
         (128, block_size),
     )
+
+
+def traced_route(query, key_cache, value_cache, block_table, kv_block: int) -> bool:
+    """The route decision of ``sparse_attn::_kvcache_route`` from shapes, dtypes, strides and the
+    device alone, for torch.compile (which cannot trace an op returning an int): the same
+    conditions as plan_decode and kvcache_aligned (csrc), base addresses taken as aligned (every
+    PyTorch allocation is). tests/test_kvcache.py checks the two agree."""
+    if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    d, dv = query.shape[-1], value_cache.shape[-1]
+    if d != dv or min(query.shape[0], query.shape[1], query.shape[2]) == 0:
+        return False
+    major, minor = torch.cuda.get_device_capability(query.device)
+    cc = 10 * major + minor
+    if cc < 80:
+        return False
+    if d > 128 and cc not in (80, 87) and cc < 90:  # the head dim 256 stages need 160 KiB per SM
+        return False
+    return all(t.shape[i] <= 1 or t.stride(i) % 8 == 0 for t in (key_cache, value_cache) for i in range(t.dim() - 1))

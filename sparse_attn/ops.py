@@ -367,8 +367,9 @@ def attention_with_kvcache(
     validate : bool, optional
         Check ``cache_seqlens`` and ``block_table`` against the cache (ValueError naming the
         entry). Default: on the CPU and on the composite path; on the CUDA kernel path only when
-        True, since it reads them on the host (one synchronisation). Unchecked, the kernel still
-        never reads or writes outside the cache: tokens past it and pages outside it are dropped.
+        True, since it reads them on the host (one synchronisation); never inside torch.compile.
+        Unchecked, the kernel still never reads or writes outside the cache: tokens past it and
+        pages outside it are dropped.
 
     Returns
     -------
@@ -390,8 +391,11 @@ def attention_with_kvcache(
     cap = _kvcache.capacity(key_cache, block_table)
     cnt, idx, kv_block = _kvcache.mask_tensors(mask, query, key_cache, block_table, cap)
     args = (query, key_cache, value_cache, cache_seqlens, key, value, block_table, cnt, idx, kv_block)
-    kernel = _ops._kvcache_route.default(*args) == 1  # checks every shape, dtype and device
-    if validate or (validate is None and not kernel):
+    if torch.compiler.is_compiling():  # an op returning an int cannot be traced
+        kernel = _kvcache.traced_route(query, key_cache, value_cache, block_table, kv_block)
+    else:
+        kernel = _ops._kvcache_route.default(*args) == 1  # checks every shape, dtype and device
+    if (validate or (validate is None and not kernel)) and not torch.compiler.is_compiling():
         _kvcache.validate(query, key_cache, cache_seqlens, key, block_table)
     if kernel:
         out, lse = _ops.kvcache_fwd.default(*args, scale, left, right)

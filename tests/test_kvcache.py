@@ -401,3 +401,39 @@ def test_kvcache_topk_mask(device):
         sel[i, 0, mask.kv_indices[i, 0, 0, : int(mask.kv_num_blocks[i, 0, 0])].long().cpu()] = True
     gold, lp, _ = expected(cache, q, None, None, block_sel=sel.expand(b, 2, -1), kv_block=bs)
     check_close("topk decode", out, gold, lp, dtype=torch.bfloat16)
+
+
+def test_compiled_decode_step_matches_eager(device):
+    # torch.compile(fullgraph=True) of a decode step (append + attend): same output, same caches.
+    b, h, hkv, d, cap = 2, 4, 2, 64, 128
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(b, h, 1, d, generator=g).to(device, dtype)
+    kn = torch.randn(b, hkv, 1, d, generator=g).to(device, dtype)
+    vn = torch.randn(b, hkv, 1, d, generator=g).to(device, dtype)
+    caches = [torch.randn(b, hkv, cap, d, generator=g).to(device, dtype) for _ in range(2)]
+    lens = torch.tensor([5, 77], dtype=torch.int32, device=device)
+
+    def step(q, kc, vc, lens, kn, vn):
+        return sparse_attn.attention_with_kvcache(q, kc, vc, lens, key=kn, value=vn, validate=False)
+
+    eager_k, eager_v = caches[0].clone(), caches[1].clone()
+    want = step(q, eager_k, eager_v, lens, kn, vn)
+    comp_k, comp_v = caches[0].clone(), caches[1].clone()
+    got = torch.compile(step, fullgraph=True)(q, comp_k, comp_v, lens, kn, vn)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert torch.equal(comp_k, eager_k) and torch.equal(comp_v, eager_v)
+
+
+@pytest.mark.cuda
+def test_traced_route_agrees_with_the_plan():
+    from sparse_attn import _kvcache
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for d, dv in ((64, 64), (128, 128), (256, 256), (64, 32)):
+            q = torch.zeros(1, 4, 1, d, device="cuda", dtype=dtype)
+            kc = torch.zeros(1, 2, 64, d, device="cuda", dtype=dtype)
+            vc = torch.zeros(1, 2, 64, dv, device="cuda", dtype=dtype)
+            lens = torch.zeros(1, dtype=torch.int32, device="cuda")
+            route = torch.ops.sparse_attn._kvcache_route.default(q, kc, vc, lens, None, None, None, None, None, 0)
+            assert _kvcache.traced_route(q, kc, vc, None, 0) == bool(route), (dtype, d, dv)
