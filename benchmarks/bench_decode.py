@@ -100,17 +100,25 @@ def cache_bytes(b: int, length: int) -> int:
     return b * HKV * length * D * 2 * 2
 
 
+def run_table(header: list[str], shapes, row_fn) -> list[str]:
+    """A table: its header, then row_fn(*shape)'s lines per shape (memory freed in between)."""
+    out = list(header)
+    for shape in shapes:
+        out += row_fn(*shape)
+        torch.cuda.empty_cache()
+    return out
+
+
 def decode_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
     backends = sdpa_backends(torch.device("cuda"))
-    out = [
+    header = [
         "decode: one graph replay per call; TB/s = K+V bytes read / time; frac = of the copy bandwidth",
         f"{'B':>3} {'L':>7} {'Lq':>3} {'splits':>6} {'ours ms':>8} {'TB/s':>6} {'frac':>5} "
         f"{'cudnn TB/s':>10} {'flash TB/s':>10} {'vs cudnn':>8} {'vs flash':>8}",
     ]
-    for b, length, lq in args.shapes:
-        out.append(decode_row(args, copy_bw, rows, backends, b, length, lq))
-        torch.cuda.empty_cache()
-    return out
+    return run_table(
+        header, args.shapes, lambda b, length, lq: [decode_row(args, copy_bw, rows, backends, b, length, lq)]
+    )
 
 
 def decode_row(args, copy_bw, rows, backends, b, length, lq) -> str:
@@ -148,15 +156,12 @@ def decode_row(args, copy_bw, rows, backends, b, length, lq) -> str:
 
 
 def paged_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
-    out = [
+    header = [
         "paged: shuffled pages against the contiguous cache (same tokens), one new token; BLHD = the",
         "contiguous cache stored token-major (B, L, Hkv, D), a head's rows interleaved as in a paged cache",
         f"{'B':>3} {'L':>7} {'page':>5} {'ms':>8} {'TB/s':>6} {'frac':>5} {'vs contiguous':>13}",
     ]
-    for b, length in args.paged_shapes:
-        out += paged_rows(args, copy_bw, rows, b, length)
-        torch.cuda.empty_cache()
-    return out
+    return run_table(header, args.paged_shapes, lambda b, length: paged_rows(args, copy_bw, rows, b, length))
 
 
 def paged_rows(args, copy_bw, rows, b, length) -> list[str]:
@@ -195,15 +200,12 @@ def paged_rows(args, copy_bw, rows, b, length) -> list[str]:
 
 
 def sparse_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
-    out = [
+    header = [
         "sparse decode: a random selection of 128-token cache blocks per (sequence, K/V head), one new token;",
         "bound = selected bytes / copy bandwidth",
         f"{'B':>3} {'L':>7} {'kept':>5} {'ms':>8} {'dense ms':>8} {'speedup':>7} {'bound ms':>8} {'/ bound':>7}",
     ]
-    for b, length in args.sparse_shapes:
-        out += sparse_rows(args, copy_bw, rows, b, length)
-        torch.cuda.empty_cache()
-    return out
+    return run_table(header, args.sparse_shapes, lambda b, length: sparse_rows(args, copy_bw, rows, b, length))
 
 
 def sparse_rows(args, copy_bw, rows, b, length) -> list[str]:
@@ -242,42 +244,45 @@ def sparse_rows(args, copy_bw, rows, b, length) -> list[str]:
 def topk_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
     """Top-k decode: the lightning indexer (HI = 4, DI = 64) scores the cache's index keys, the top
     blocks (sink and newest included) form the mask, and the decode reads only those blocks."""
-    out = [
+    header = [
         "top-k decode: kvcache_topk_mask (indexer over (B, L, 64) index keys, top blocks of 128) + sparse decode,",
         "one new token, against dense decode",
         f"{'B':>3} {'L':>7} {'blocks':>6} {'mask ms':>8} {'total ms':>8} {'dense ms':>8} {'speedup':>7}",
     ]
-    for b, length in args.sparse_shapes:
-        q, kc, vc, lens = inputs(b, length, 1)
-        iq = torch.randn(b, 1, 4, 64, device="cuda", dtype=DT)
-        iw = torch.rand(b, 1, 4, device="cuda", dtype=DT)
-        ik = torch.randn(b, length, 64, device="cuda", dtype=DT)
-        t_dense = time_graph(decode(q, kc, vc, lens))
-        for blocks in args.topk_blocks:
+    return run_table(header, args.sparse_shapes, lambda b, length: topk_rows(args, rows, b, length))
 
-            def mask_only(iq=iq, iw=iw, ik=ik, lens=lens, blocks=blocks):
-                return sparse_attn.kvcache_topk_mask(iq, iw, ik, lens, blocks)
 
-            def both(q=q, kc=kc, vc=vc, lens=lens, mask_only=mask_only):
-                return sparse_attn.attention_with_kvcache(q, kc, vc, lens, mask=mask_only())
+def topk_rows(args, rows, b, length) -> list[str]:
+    q, kc, vc, lens = inputs(b, length, 1)
+    iq = torch.randn(b, 1, 4, 64, device="cuda", dtype=DT)
+    iw = torch.rand(b, 1, 4, device="cuda", dtype=DT)
+    ik = torch.randn(b, length, 64, device="cuda", dtype=DT)
+    t_dense = time_graph(decode(q, kc, vc, lens))
+    out = []
+    for blocks in args.topk_blocks:
 
-            t_mask, t_all = time_graph(mask_only), time_graph(both)
-            rows.append(
-                dict(
-                    table="topk",
-                    b=b,
-                    length=length,
-                    blocks=blocks,
-                    mask_ms=t_mask,
-                    ms=t_all,
-                    dense_ms=t_dense,
-                    speedup=t_dense / t_all,
-                )
+        def mask_only(blocks=blocks):
+            return sparse_attn.kvcache_topk_mask(iq, iw, ik, lens, blocks)
+
+        def both(mask_only=mask_only):
+            return sparse_attn.attention_with_kvcache(q, kc, vc, lens, mask=mask_only())
+
+        t_mask, t_all = time_graph(mask_only), time_graph(both)
+        rows.append(
+            dict(
+                table="topk",
+                b=b,
+                length=length,
+                blocks=blocks,
+                mask_ms=t_mask,
+                ms=t_all,
+                dense_ms=t_dense,
+                speedup=t_dense / t_all,
             )
-            out.append(
-                f"{b:>3} {length:>7} {blocks:>6} {t_mask:>8.4f} {t_all:>8.4f} {t_dense:>8.4f} {t_dense / t_all:>7.2f}"
-            )
-        torch.cuda.empty_cache()
+        )
+        out.append(
+            f"{b:>3} {length:>7} {blocks:>6} {t_mask:>8.4f} {t_all:>8.4f} {t_dense:>8.4f} {t_dense / t_all:>7.2f}"
+        )
     return out
 
 
