@@ -140,18 +140,35 @@ def measure(length: int, reps: int, mesh, world: int, bw: float) -> dict:
     )
 
 
-def measure_sparse(length: int, reps: int) -> tuple[float, float]:
-    """One GPU's block_sparse_attention vs context_parallel_block_sparse_attention (all-gather) on a
-    Longformer mask (window 2048, 64 global tokens, 128-token blocks)."""
-    from sparse_attn import patterns
+def measure_sparse(length: int, reps: int) -> list[tuple[str, float, float]]:
+    """One GPU's block_sparse_attention against context_parallel_block_sparse_attention on the same
+    mask: Longformer (window 2048, 64 global tokens) and a plain band of 2048 (both 128-token
+    blocks, run by the block kernel); (name, one GPU ms, CP ms) per schedule."""
+    from sparse_attn import BlockSparseMask, patterns
 
     g = torch.Generator(device="cuda").manual_seed(length)
     q, k, v = (torch.randn(B, H, length, D, device="cuda", dtype=DT, generator=g) for _ in range(3))
-    mask = patterns.longformer(length, 2048, range(64), device="cuda")
+    band = patterns.sliding_window(length, 2048, device="cuda")
+    masks = {
+        "longformer": patterns.longformer(length, 2048, range(64), device="cuda"),
+        # The band without its exact form, so that one GPU runs it by the block kernel too.
+        "band": BlockSparseMask._trusted(
+            band.kv_num_blocks, band.kv_indices, band.kv_partial, band.partial_masks, band.seq_lengths, band.block_size
+        ),
+    }
     ql, kl, vl = (cp.shard_sequence(t) for t in (q, k, v))
-    one = timed(lambda: sparse_attn.block_sparse_attention(q, k, v, mask), reps)
-    ours = timed(lambda: cp.context_parallel_block_sparse_attention(ql, kl, vl, mask), reps)
-    return one, ours
+    out = []
+    for name, mask in masks.items():
+        one = timed(lambda mask=mask: sparse_attn.block_sparse_attention(q, k, v, mask), reps)
+        for method in ("alltoall", "allgather"):
+            t = timed(
+                lambda mask=mask, method=method: cp.context_parallel_block_sparse_attention(
+                    ql, kl, vl, mask, method=method
+                ),
+                reps,
+            )
+            out.append((f"{name} {method}", one, t))
+    return out
 
 
 def main(argv=None) -> int:
@@ -188,10 +205,10 @@ def main(argv=None) -> int:
             )
         torch.cuda.empty_cache()
     for length in args.lengths:
-        one, ours = measure_sparse(length, args.reps)
-        rows.append(dict(length=length, world=world, table="longformer", one_ms=one, cp_ms=ours, speedup=one / ours))
-        if rank == 0:
-            print(f"longformer {length}: one GPU {one:.2f} ms, CP (all-gather) {ours:.2f} ms: {one / ours:.2f}x")
+        for name, one, ours in measure_sparse(length, args.reps):
+            rows.append(dict(length=length, world=world, table=name, one_ms=one, cp_ms=ours, speedup=one / ours))
+            if rank == 0:
+                print(f"{name} {length}: one GPU {one:.2f} ms, CP {ours:.2f} ms: {one / ours:.2f}x")
         torch.cuda.empty_cache()
     if rank == 0:
         # Projection: P ranks, zigzag causal: P ring steps of (measured compute per step) overlapped with

@@ -406,8 +406,8 @@ def context_parallel_attention(
 
 
 def _mask_rows(mask, q0: int, lq: int):
-    """The rows [q0, q0 + lq) of a block-sparse mask (q0 and, unless it ends the sequence, lq
-    multiples of its query block) as a mask of (lq, Lk)."""
+    """The rows [q0, q0 + lq) of a block-sparse mask (q0 a multiple of its query block) as a mask of
+    (lq, Lk), against the whole sequence's keys."""
     from .masks import BlockSparseMask
 
     qb = mask.q_block
@@ -422,6 +422,101 @@ def _mask_rows(mask, q0: int, lq: int):
     )
 
 
+class _Exchange(torch.autograd.Function):
+    """Rows (sequence dimension first) sent to and received from every rank by one all-to-all of
+    variable sizes; the backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, send_sizes, recv_sizes, group):
+        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
+        out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_sizes, send_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_sizes, recv_sizes = ctx.sizes
+        back = grad.new_empty((sum(send_sizes), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), send_sizes, recv_sizes, group=ctx.group)
+        return back, None, None, None
+
+
+@dataclass(frozen=True)
+class _SparseExchange:
+    """What one rank sends and receives for a mask: the key blocks (global ids) its shard sends to
+    each rank, those it receives from each, and the compact position of every global key block."""
+
+    send: list[list[int]]
+    recv: list[list[int]]
+    compact: torch.Tensor  # (nKb,) int32: position in [own shard's blocks, received blocks], -1 unused
+    busiest: float  # the largest share of the other ranks' blocks any rank needs (the same on all ranks)
+    send_rows: torch.Tensor  # (n,) int64: the rows of this rank's shard to send, in send order
+
+
+def _sparse_exchange(mask, bounds, rank: int, world: int, kv_block: int, dev) -> _SparseExchange:
+    """The key blocks each rank's query chunks touch (read from the mask once on the host; cached
+    on the mask), hence who sends which block to whom."""
+    key = (world, tuple(map(tuple, bounds)), rank)
+    cache = mask.__dict__.setdefault("_cp_exchange", {})
+    if key in cache:
+        return cache[key]
+    qb = mask.q_block
+    counts = mask.kv_num_blocks.cpu()
+    idx = mask.kv_indices.cpu()
+    owner_of = {}
+    own_blocks = [[] for _ in range(world)]  # each rank's blocks in its shard's order
+    for r, chunks in enumerate(bounds):
+        for off, n in chunks:
+            for j in range(off // kv_block, (off + n) // kv_block):
+                owner_of[j] = r
+                own_blocks[r].append(j)
+    need = []
+    for r, chunks in enumerate(bounds):
+        blocks = set()
+        for off, n in chunks:
+            rows = slice(off // qb, -(-(off + n) // qb))
+            c, ix = counts[:, :, rows], idx[:, :, rows]
+            live = torch.arange(ix.shape[-1])[None, None, None, :] < c[..., None]
+            blocks |= set(ix[live].unique().tolist())
+        need.append(sorted(j for j in blocks if owner_of[j] != r))
+    send = [[j for j in need[r] if owner_of[j] == rank] for r in range(world)]
+    recv = [[j for j in need[rank] if owner_of[j] == s] for s in range(world)]
+    compact = torch.full((mask.num_kv_blocks,), -1, dtype=torch.int32)
+    order = own_blocks[rank] + [j for s in range(world) for j in recv[s]]
+    compact[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order), dtype=torch.int32)
+    busiest = max(len(need[r]) / max(1, mask.num_kv_blocks - len(own_blocks[r])) for r in range(world))
+    local_pos, start = {}, 0  # a block of this rank's shard -> its first row in the shard
+    for off, n in bounds[rank]:
+        for j in range(off // kv_block, (off + n) // kv_block):
+            local_pos[j] = start + (j * kv_block - off)
+        start += n
+    firsts = torch.tensor([local_pos[j] for r in range(world) for j in send[r]], dtype=torch.long)
+    send_rows = (firsts[:, None] + torch.arange(kv_block)).flatten()
+    ex = _SparseExchange(send, recv, compact.to(dev), busiest, send_rows.to(dev))
+    cache[key] = ex
+    return ex
+
+
+def _compact_rows(mask, q0: int, lq: int, compact: torch.Tensor, lk: int):
+    """The rows [q0, q0 + lq) of the mask with key blocks renumbered into the compact K/V (each row's
+    list re-sorted ascending, its partial-mask entries moved along)."""
+    from .masks import BlockSparseMask
+
+    qb = mask.q_block
+    b0, b1 = q0 // qb, -(-(q0 + lq) // qb)
+    cnt = mask.kv_num_blocks[:, :, b0:b1]
+    idx = mask.kv_indices[:, :, b0:b1]
+    part = mask.kv_partial[:, :, b0:b1]
+    live = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]
+    new = torch.where(live, compact[idx.long()], torch.iinfo(torch.int32).max)
+    new, order = new.sort(-1)
+    part = part.gather(-1, order)
+    new = torch.where(new == torch.iinfo(torch.int32).max, 0, new).to(torch.int32)
+    return BlockSparseMask._trusted(
+        cnt, new.contiguous(), part.contiguous(), mask.partial_masks, (lq, lk), mask.block_size
+    )
+
+
 def context_parallel_block_sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -431,13 +526,19 @@ def context_parallel_block_sparse_attention(
     group=None,
     scale: float | None = None,
     layout: str = "zigzag",
+    method: str | None = None,
     return_lse: bool = False,
 ):
     """``block_sparse_attention`` under a global ``mask`` (a ``BlockSparseMask`` of the whole
-    sequence, the same on every rank) over a sequence sharded across ``group``. K and V are gathered
-    (one all-gather each, differentiable); each rank computes only its query chunks' rows of the mask.
-    The chunks of ``layout`` must start at multiples of the mask's query block (e.g. L a multiple of
-    2P * q_block for the zigzag layout).
+    sequence, the same on every rank) over a sequence sharded across ``group``. Each rank computes
+    only its query chunks' rows of the mask. ``method="alltoall"``: each rank receives only the key
+    blocks its rows touch (one all-to-all of K and one of V, differentiable): communication
+    proportional to the blocks touched. ``"allgather"``: K and V gathered whole, cheaper in copies
+    when some rank needs most blocks anyway (global tokens). None: all-to-all unless some rank needs
+    more than half of the others' blocks. Which blocks go where is read from the mask on the host
+    once and kept with the mask.
+    The chunks of ``layout`` must start at multiples of the mask's blocks and L be a multiple of
+    the key block (e.g. L a multiple of 2P * 128 for the zigzag layout and 128-token blocks).
 
     Returns this rank's output shard (B, H, L_r, Dv), or (out, lse).
     """
@@ -464,12 +565,39 @@ def context_parallel_block_sparse_attention(
             f"every chunk must start at a multiple of the mask's query block ({mask.q_block}): "
             f"the {layout} layout of {seq_len} tokens over {world} ranks starts chunks at {sorted(starts)}"
         )
-    k_all = _gather(key, bounds, group, 2)
-    v_all = _gather(value, bounds, group, 2)
+    kb = mask.kv_block
+    if seq_len % kb:
+        raise ValueError(f"the sequence length ({seq_len}) must be a multiple of the mask's key block ({kb})")
+    # Only the key blocks this rank's rows touch cross the link: each rank sends the blocks of its
+    # shard that others need (one all-to-all of K and one of V, differentiable).
+    ex = _sparse_exchange(mask, bounds, rank, world, kb, query.device)
+    if method not in (None, "alltoall", "allgather"):
+        raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
+    if method == "allgather" or (method is None and ex.busiest > 0.5):
+        k_all, v_all = _gather(key, bounds, group, 2), _gather(value, bounds, group, 2)
+        outs, lses = [], []
+        for qo, qs, lq in _local_chunks(bounds[rank]):
+            o, lse = block_sparse_attention(
+                query[:, :, qs : qs + lq], k_all, v_all, _mask_rows(mask, qo, lq), scale=scale, return_lse=True
+            )
+            outs.append(o)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        return (out, lse) if return_lse else out
+    send_sizes = [len(ex.send[r]) * kb for r in range(world)]
+    recv_sizes = [len(ex.recv[s]) * kb for s in range(world)]
+
+    def exchange(x):
+        seq_first = x.movedim(2, 0)  # (L_r, B, Hkv, D)
+        got = _Exchange.apply(seq_first.index_select(0, ex.send_rows), send_sizes, recv_sizes, group)
+        return torch.cat([x, got.movedim(0, 2)], dim=2)
+
+    k_all, v_all = exchange(key), exchange(value)
     outs, lses = [], []
     for qo, qs, lq in _local_chunks(bounds[rank]):
+        rows_mask = _compact_rows(mask, qo, lq, ex.compact, k_all.shape[2])
         o, lse = block_sparse_attention(
-            query[:, :, qs : qs + lq], k_all, v_all, _mask_rows(mask, qo, lq), scale=scale, return_lse=True
+            query[:, :, qs : qs + lq], k_all, v_all, rows_mask, scale=scale, return_lse=True
         )
         outs.append(o)
         lses.append(lse)

@@ -92,13 +92,14 @@ def _block_sparse_case(rank, world, errors):
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = sparse_attn.block_sparse_attention(*full, mask)
     ref_grads = torch.autograd.grad(ref, full, dout)
-    local = [cp.shard_sequence(t).requires_grad_() for t in (q, k, v)]
-    out = cp.context_parallel_block_sparse_attention(*local, mask)
-    grads = torch.autograd.grad(out, local, cp.shard_sequence(dout))
-    for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
-        err = (got - cp.shard_sequence(exp.detach())).abs().max().item()
-        if not err <= 1e-4:
-            errors.put(f"rank {rank} block-sparse: {name} max error {err:.2e}")
+    for method in ("alltoall", "allgather", None):
+        local = [cp.shard_sequence(t).requires_grad_() for t in (q, k, v)]
+        out = cp.context_parallel_block_sparse_attention(*local, mask, method=method)
+        grads = torch.autograd.grad(out, local, cp.shard_sequence(dout))
+        for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
+            err = (got - cp.shard_sequence(exp.detach())).abs().max().item()
+            if not err <= 1e-4:
+                errors.put(f"rank {rank} block-sparse {method}: {name} max error {err:.2e}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
