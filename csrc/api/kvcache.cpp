@@ -148,7 +148,6 @@ DecodeParams set_params_decode(const KvCacheShape& s, const at::Tensor& query, c
     p.block_table = block_table->data_ptr<int32_t>();
     p.bt_batch_stride = block_table->stride(0);
   }
-  p.pages_per_seq = int(s.pages_per_seq);
   p.num_pages = int(s.num_pages);
   p.page_size = int(s.page_size);
   p.capacity = int(s.capacity);

@@ -158,9 +158,9 @@ struct DecodeParams {
   void* v_cache;
   int64_t k_page_stride, k_row_stride, k_head_stride;
   int64_t v_page_stride, v_row_stride, v_head_stride;
-  const int32_t* __restrict__ block_table;  // (B, pages_per_seq), int32; nullptr = contiguous
+  const int32_t* __restrict__ block_table;  // (B, max_pages), int32; nullptr = contiguous
   int64_t bt_batch_stride;
-  int pages_per_seq, num_pages, page_size;
+  int num_pages, page_size;
   int capacity;                                // tokens a sequence's cache holds
   const int32_t* __restrict__ cache_seqlens;  // (B,), int32: tokens cached before this call
   // Optional new keys / values (B, Hkv, Lq, D), written at cache_seqlens[b] + i before attending

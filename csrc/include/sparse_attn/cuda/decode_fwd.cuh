@@ -394,26 +394,35 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_fwd_kernel(__grid_consta
 #endif
 }
 
-// The splits of rows [row0, row0 + n_rows) (rows numbered (b * H + h) * Lq + i) merged by the
-// CTA's kThreads threads: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s. Each warp
-// turns a row's split LSEs into weights (shared memory); then the threads share (row, 4-column)
-// items, several threads per item, each summing a strided share of the splits with independent
-// loads (the partials sit in L2: the sum is latency-bound, so the loads go out together), the
-// shares meeting in shared memory. Partials are read past L1 (another CTA wrote them).
-template <typename Element, int kThreads>
-__device__ __forceinline__ void decode_combine_rows(const DecodeParams& p, int64_t row0, int n_rows,
-                                                    float* weight, float4* share, int tid) {
+// The splits of one row (rows numbered (b * H + h) * Lq + i) merged by one CTA: lse = log sum_s
+// exp(lse_s), O = sum_s exp(lse_s - lse) O_s. Warp 0 turns the splits' LSEs into weights (shared
+// memory); then the threads share the row's 4-column slices, several threads per slice, each summing
+// a strided share of the splits with independent loads (the partials sit in L2: the sum is
+// latency-bound, so the loads go out together), the shares meeting in shared memory. (Merging in the
+// decode kernel instead, by the CTA that finishes a unit's splits last, measured slower: one CTA
+// then merges all of a unit's rows.)
+template <typename Element>
+__global__ void __launch_bounds__(kDecodeCombineThreads)
+    decode_combine_kernel(__grid_constant__ const DecodeParams p) {
+  __shared__ float weight[kDecodeMaxSplits];
+  __shared__ float4 share[kDecodeCombineThreads];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the decode kernel (sm_90): resident while it runs,
+  // waiting here until its partials are complete.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int64_t row = blockIdx.x;
   const int64_t split_stride = int64_t(p.b) * p.h * p.lq;
-  const int n_splits = p.num_splits, lane = tid % 32;
-  for (int k = tid / 32; k < n_rows; k += kThreads / 32) {
-    const int64_t row = row0 + k;
+  const int n_splits = p.num_splits;
+  if (tid < 32) {
     constexpr int kPerLane = kDecodeMaxSplits / 32;
     float lse_s[kPerLane];
     float m = -INFINITY;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int s = j * 32 + lane;
-      lse_s[j] = s < n_splits ? __ldcg(p.lse_part + s * split_stride + row) : -INFINITY;
+      lse_s[j] = s < n_splits ? p.lse_part[s * split_stride + row] : -INFINITY;
       m = fmaxf(m, lse_s[j]);
     }
     m = warp_max(m);
@@ -427,66 +436,41 @@ __device__ __forceinline__ void decode_combine_rows(const DecodeParams& p, int64
     l = warp_sum(l);
     const float inv = l == 0.f ? 0.f : 1.f / l;
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) weight[k * kDecodeMaxSplits + j * 32 + lane] = lse_s[j] * inv;
+    for (int j = 0; j < kPerLane; ++j) weight[j * 32 + lane] = lse_s[j] * inv;
     if (lane == 0) p.lse[row] = l == 0.f ? -INFINITY : ref + __logf(l);
   }
   __syncthreads();
-  const int cols4 = p.dv / 4, items = n_rows * cols4;
-  const int groups = items >= kThreads ? 1 : kThreads / items;  // threads per item
-  for (int base = 0; base < items; base += kThreads / groups) {
-    const int item = base + tid % (kThreads / groups), sg = tid / (kThreads / groups);
-    const int k = item / cols4, c = item % cols4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (item < items && sg < groups) {
-      const float* part = p.o_part + (row0 + k) * p.dv + 4 * c;
-      const float* w = weight + k * kDecodeMaxSplits;
+  const int cols4 = p.dv / 4, groups = kDecodeCombineThreads / cols4;  // threads per 4-column slice
+  const int c = tid % cols4, sg = tid / cols4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (sg < groups) {
+    const float* part = p.o_part + row * p.dv + 4 * c;
 #pragma unroll 8
-      for (int s = sg; s < n_splits; s += groups) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(part + s * split_stride * p.dv));
-        acc.x += w[s] * v.x;
-        acc.y += w[s] * v.y;
-        acc.z += w[s] * v.z;
-        acc.w += w[s] * v.w;
-      }
-    }
-    if (groups > 1) {
-      share[tid] = acc;
-      __syncthreads();
-      if (sg == 0)
-        for (int gi = 1; gi < groups; ++gi) {
-          const float4 v = share[gi * (kThreads / groups) + tid];
-          acc.x += v.x;
-          acc.y += v.y;
-          acc.z += v.z;
-          acc.w += v.w;
-        }
-    }
-    if (item < items && sg == 0) {
-      const int64_t row = row0 + k;
-      const int i = int(row % p.lq), hh = int(row / p.lq % p.h), b = int(row / p.lq / p.h);
-      Element* o = static_cast<Element*>(p.o) + b * p.o_batch_stride + hh * p.o_head_stride +
-                   i * p.o_row_stride + 4 * c;
-      o[0] = from_f32<Element>(acc.x);
-      o[1] = from_f32<Element>(acc.y);
-      o[2] = from_f32<Element>(acc.z);
-      o[3] = from_f32<Element>(acc.w);
+    for (int s = sg; s < n_splits; s += groups) {
+      const float4 v = *reinterpret_cast<const float4*>(part + s * split_stride * p.dv);
+      acc.x += weight[s] * v.x;
+      acc.y += weight[s] * v.y;
+      acc.z += weight[s] * v.z;
+      acc.w += weight[s] * v.w;
     }
   }
-}
-
-// The splits merged: one row per CTA. (Merging in the decode kernel instead, by the CTA that
-// finishes a unit's splits last, measured slower: one CTA then merges all of a unit's rows.)
-template <typename Element>
-__global__ void __launch_bounds__(kDecodeCombineThreads)
-    decode_combine_kernel(__grid_constant__ const DecodeParams p) {
-  __shared__ float weight[kDecodeMaxSplits];
-  __shared__ float4 share[kDecodeCombineThreads];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Launched as a programmatic dependent of the decode kernel (sm_90): resident while it runs,
-  // waiting here until its partials are complete.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-  decode_combine_rows<Element, kDecodeCombineThreads>(p, blockIdx.x, 1, weight, share, threadIdx.x);
+  share[tid] = acc;
+  __syncthreads();
+  if (sg != 0) return;
+  for (int gi = 1; gi < groups; ++gi) {
+    const float4 v = share[gi * cols4 + c];
+    acc.x += v.x;
+    acc.y += v.y;
+    acc.z += v.z;
+    acc.w += v.w;
+  }
+  const int i = int(row % p.lq), hh = int(row / p.lq % p.h), b = int(row / p.lq / p.h);
+  Element* o =
+      static_cast<Element*>(p.o) + b * p.o_batch_stride + hh * p.o_head_stride + i * p.o_row_stride + 4 * c;
+  o[0] = from_f32<Element>(acc.x);
+  o[1] = from_f32<Element>(acc.y);
+  o[2] = from_f32<Element>(acc.z);
+  o[3] = from_f32<Element>(acc.w);
 }
 
 // The new keys and values into the cache at cache_seqlens[b] + i. One CTA per (b, i); rows
