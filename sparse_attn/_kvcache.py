@@ -191,17 +191,21 @@ def topk_mask(
     nkb = -(-lmax // block_size)
     s = torch.nn.functional.pad(s, (0, nkb * block_size - lmax), value=-math.inf)
     block = s.view(b, nkb, block_size).amax(-1)
-    # The first `sinks` and the `recent` newest blocks always (when they hold tokens).
-    ids = torch.arange(nkb, device=dev)
-    last = (lens - 1).clamp(min=0) // block_size
-    forced = (ids[None, :] < sinks) | ((ids[None, :] <= last[:, None]) & (ids[None, :] > last[:, None] - recent))
-    block = torch.where(forced & (block > -math.inf), math.inf, block)
-    kk = min(k, nkb)
-    top = block.topk(kk, dim=-1)
-    chosen = top.values > -math.inf
-    picked = torch.where(chosen, top.indices, nkb).sort(-1).values  # ascending, unused at the end
-    count = chosen.sum(-1, dtype=torch.int32)
-    kv_indices = torch.where(picked < nkb, picked, 0).to(torch.int32)
+    if block.is_cuda:  # one kernel: the forced blocks, the selection, the lists (decode_select.cu)
+        count, kv_indices = _ops._decode_block_select.default(block, cache_seqlens, k, block_size, sinks, recent)
+    else:  # the same with PyTorch ops
+        ids = torch.arange(nkb, device=dev)
+        last = (lens - 1).clamp(min=0) // block_size
+        forced = (ids[None, :] < sinks) | ((ids[None, :] <= last[:, None]) & (ids[None, :] > last[:, None] - recent))
+        block = torch.where(forced & (block > -math.inf), math.inf, block)
+        # Ties to the lower block (as the CUDA selection): a stable sort, not topk.
+        values, order = block.sort(dim=-1, descending=True, stable=True)
+        values, order = values[:, : min(k, nkb)], order[:, : min(k, nkb)]
+        chosen = values > -math.inf
+        picked = torch.where(chosen, order, nkb).sort(-1).values  # ascending, unused at the end
+        count = chosen.sum(-1, dtype=torch.int32)
+        kv_indices = torch.where(picked < nkb, picked, 0).to(torch.int32)
+    kk = kv_indices.shape[1]
     return BlockSparseMask._trusted(
         count.view(b, 1, 1).contiguous(),
         kv_indices.view(b, 1, 1, kk).contiguous(),

@@ -142,6 +142,13 @@ def _kvcache_fwd(
     return _outputs(query, value_cache)
 
 
+@torch.library.register_fake("sparse_attn::_decode_block_select")
+def _decode_block_select(block_scores, cache_seqlens, k, block_size, sinks, recent):
+    b, nkb = block_scores.shape
+    kk = min(k, nkb)
+    return block_scores.new_empty(b, dtype=torch.int32), block_scores.new_empty(b, kk, dtype=torch.int32)
+
+
 @torch.library.register_fake("sparse_attn::_check_inputs")
 def _check_inputs(query, key, value):
     return None

@@ -437,3 +437,24 @@ def test_traced_route_agrees_with_the_plan():
             lens = torch.zeros(1, dtype=torch.int32, device="cuda")
             route = torch.ops.sparse_attn._kvcache_route.default(q, kc, vc, lens, None, None, None, None, None, 0)
             assert _kvcache.traced_route(q, kc, vc, None, 0) == bool(route), (dtype, d, dv)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", [1, 3, 9, 40])
+def test_kvcache_topk_mask_cuda_selection_equals_cpu(k):
+    # The CUDA selection kernel against the PyTorch path: lengths of 0, inside a block, whole blocks,
+    # fewer blocks than k, and more.
+    b, lmax = 6, 4096
+    g = torch.Generator().manual_seed(k)
+    iq, iw, ik = (
+        torch.randn(b, 1, 4, 64, generator=g),
+        torch.rand(b, 1, 4, generator=g),
+        torch.randn(b, lmax, 64, generator=g),
+    )
+    lens = torch.tensor([0, 5, 128, 700, 3000, 4096], dtype=torch.int32)
+    cpu = sparse_attn.kvcache_topk_mask(iq, iw, ik, lens, k, sinks=2, recent=2)
+    gpu = sparse_attn.kvcache_topk_mask(*(t.cuda() for t in (iq, iw, ik, lens)), k, sinks=2, recent=2)
+    assert torch.equal(gpu.kv_num_blocks.cpu(), cpu.kv_num_blocks)
+    for i in range(b):
+        n = int(cpu.kv_num_blocks[i, 0, 0])
+        assert gpu.kv_indices[i, 0, 0, :n].cpu().tolist() == cpu.kv_indices[i, 0, 0, :n].tolist(), i

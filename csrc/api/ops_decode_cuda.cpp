@@ -4,6 +4,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <climits>
+
 #include "common.h"
 #include "cuda_common.h"
 #include "sparse_attn/cuda/decode.h"
@@ -66,8 +69,39 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cuda(
   return {out, lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> decode_block_select_cuda(const at::Tensor& block_scores,
+                                                            const at::Tensor& cache_seqlens, int64_t k,
+                                                            int64_t block_size, int64_t sinks,
+                                                            int64_t recent) {
+  TORCH_CHECK(block_scores.is_cuda() && block_scores.scalar_type() == at::kFloat && block_scores.dim() == 2,
+              "block_scores must be a CUDA float32 tensor (B, num_blocks), got ", block_scores.sizes());
+  check_int32(cache_seqlens, "cache_seqlens");
+  check_same_device(block_scores, cache_seqlens, "cache_seqlens");
+  const int64_t b = block_scores.size(0), nkb = block_scores.size(1);
+  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == b, "cache_seqlens must be (B=", b, ",)");
+  TORCH_CHECK(k > 0 && nkb > 0 && b <= INT_MAX && nkb <= INT_MAX, "k and the block count must be positive");
+  TORCH_CHECK(block_size > 0 && sinks >= 0 && recent >= 0,
+              "block_size must be positive, sinks and recent >= 0");
+  const c10::cuda::CUDAGuard guard(block_scores.device());
+  const int64_t kk = std::min(k, nkb), ld = (nkb + 3) / 4 * 4;
+  const auto i32 = block_scores.options().dtype(at::kInt);
+  at::Tensor counts = at::empty({b}, i32), indices = at::empty({b, kk}, i32);
+  at::Tensor work = at::empty({b, ld}, block_scores.options());
+  const at::Tensor scores = block_scores.contiguous(), lens = cache_seqlens.contiguous();
+  check_launch(run_decode_block_select(scores.data_ptr<float>(), work.data_ptr<float>(), ld,
+                                       lens.data_ptr<int32_t>(), int(b), int(nkb), int(block_size), int(kk),
+                                       int(std::min<int64_t>(sinks, INT_MAX)),
+                                       int(std::min<int64_t>(recent, INT_MAX)), counts.data_ptr<int32_t>(),
+                                       indices.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream()),
+               "decode_block_select");
+  return {counts, indices};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) { m.impl("kvcache_fwd", &kvcache_fwd_cuda); }
+TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
+  m.impl("kvcache_fwd", &kvcache_fwd_cuda);
+  m.impl("_decode_block_select", &decode_block_select_cuda);
+}
 
 }  // namespace sparse_attn

@@ -41,6 +41,12 @@ TORCH_LIBRARY(sparse_attn, m) {
       "Tensor? kv_indices=None, int kv_block=0, float? scale=None, int window_left=-1, int window_right=-1) "
       "-> (Tensor out, Tensor lse)");
 
+  // Top-k decode's block selection on CUDA (kvcache_topk_mask; the CPU selects with torch ops):
+  // per sequence the k highest block scores, sinks and newest blocks kept, ascending.
+  m.def(
+      "_decode_block_select(Tensor block_scores, Tensor cache_seqlens, int k, int block_size, int sinks, "
+      "int recent) -> (Tensor counts, Tensor indices)");
+
   // Backward passes (autograd in sparse_attn/_meta.py): dQ, dK, dV from the forward's inputs,
   // output and LSE, the output's gradient and (optionally) the LSE's.
   m.def(
