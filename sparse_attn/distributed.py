@@ -82,12 +82,7 @@ def gather_sequence(x: torch.Tensor, seq_len: int, *, group=None, layout: str = 
 
 def _gather(x: torch.Tensor, bounds, group, dim: int) -> torch.Tensor:
     shards = _AllGatherShards.apply(x.movedim(dim, 0), bounds, group)
-    pieces = []
-    for r, chunks in enumerate(bounds):
-        start = 0
-        for off, n in chunks:
-            pieces.append((off, shards[r][start : start + n]))
-            start += n
+    pieces = [(off, shards[r][at : at + n]) for r, chunks in enumerate(bounds) for off, at, n in _local_chunks(chunks)]
     pieces.sort(key=lambda p: p[0])
     return torch.cat([p for _, p in pieces], dim=0).movedim(0, dim)
 
@@ -485,11 +480,11 @@ def _sparse_exchange(mask, bounds, rank: int, world: int, kv_block: int, dev) ->
     order = own_blocks[rank] + [j for s in range(world) for j in recv[s]]
     compact[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order), dtype=torch.int32)
     busiest = max(len(need[r]) / max(1, mask.num_kv_blocks - len(own_blocks[r])) for r in range(world))
-    local_pos, start = {}, 0  # a block of this rank's shard -> its first row in the shard
-    for off, n in bounds[rank]:
-        for j in range(off // kv_block, (off + n) // kv_block):
-            local_pos[j] = start + (j * kv_block - off)
-        start += n
+    local_pos = {  # a block of this rank's shard -> its first row in the shard
+        j: at + (j * kv_block - off)
+        for off, at, n in _local_chunks(bounds[rank])
+        for j in range(off // kv_block, (off + n) // kv_block)
+    }
     firsts = torch.tensor([local_pos[j] for r in range(world) for j in send[r]], dtype=torch.long)
     send_rows = (firsts[:, None] + torch.arange(kv_block)).flatten()
     ex = _SparseExchange(send, recv, compact.to(dev), busiest, send_rows.to(dev))
