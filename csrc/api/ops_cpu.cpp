@@ -1,11 +1,51 @@
 // CPU backend: checks, params, and the OpenMP kernels of csrc/cpu.
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
+
+#include <vector>
 
 #include "common.h"
 #include "sparse_attn/cpu/attention_cpu.h"
 
 namespace sparse_attn {
 namespace {
+
+// The tile products of the CPU kernels: PyTorch's CPU micro-kernels (oneDNN's brgemm, on AMX for
+// bf16 where the CPU has it; otherwise its BLAS).
+namespace blas = at::native::cpublas;
+
+void gemm_f32(int m, int n, int k, int64_t lda, int ldb, int ldc, bool add, const float* a, const float* b,
+              float* c) {
+  blas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, /*is_vnni=*/false);
+}
+
+void gemm_bf16(int m, int n, int k, int64_t lda, int ldb, int ldc, bool add, const bf16_t* a, const bf16_t* b,
+               float* c) {
+  blas::brgemm(m, n, k, lda, ldb, ldc, add, reinterpret_cast<const at::BFloat16*>(a),
+               reinterpret_cast<const at::BFloat16*>(b), c, /*is_vnni=*/true);
+}
+
+void release_bf16() { blas::brgemm_release(/*is_vnni=*/true); }
+
+// Whether the CPU has bf16 matrix instructions and torch's packing for them is the VNNI pair layout
+// the kernels write directly (checked on a probe, so that a different layout in some torch
+// falls back to fp32 products instead of computing garbage).
+bool bf16_products_usable() {
+  if (!blas::could_pack(at::kBFloat16)) return false;
+  constexpr int k = 4, n = 16;
+  std::vector<uint16_t> b(k * n), packed(k * n);
+  for (int i = 0; i < k * n; ++i) b[i] = uint16_t(0x3f80 + i);  // distinct finite values
+  blas::pack(k, n, n, n, at::kBFloat16, at::kBFloat16, b.data(), packed.data());
+  for (int i = 0; i < k; ++i)
+    for (int j = 0; j < n; ++j)
+      if (packed[(i / 2) * 2 * n + 2 * j + i % 2] != b[i * n + j]) return false;
+  return true;
+}
+
+const cpu::TileGemm& tile_gemm() {
+  static const cpu::TileGemm gemm{gemm_f32, bf16_products_usable() ? gemm_bf16 : nullptr, release_bf16};
+  return gemm;
+}
 
 void check_cpu(const at::Tensor& query) {
   TORCH_CHECK(query.device().is_cpu(), "expected CPU tensors, got ", query.device());
@@ -37,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor> flash_fwd_cpu(const at::Tensor& query, const 
   AttnFwdParams params = set_params_fwd(query, key, value, out, lse, s, resolve_scale(scale, s.d));
   set_params_window(params, causal, window_left, window_right);
   if (fill_trivial_outputs(s, out, lse)) return {out, lse};
-  cpu::flash_fwd(params);
+  cpu::flash_fwd(params, tile_gemm());
   return {out, lse};
 }
 
@@ -55,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cpu(
   set_params_block_order(params, query, q_block_order);  // checked; OpenMP schedules dynamically
   params.q_block_order = nullptr;
   if (fill_trivial_outputs(s, out, lse)) return {out, lse};
-  cpu::block_sparse_fwd(params);
+  cpu::block_sparse_fwd(params, tile_gemm());
   return {out, lse};
 }
 

@@ -7,10 +7,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <omp.h>
+
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
+#include "sparse_attn/cpu/tile_gemm.h"
 #include "sparse_attn/numeric.h"
 #include "sparse_attn/softmax_row.h"
 #include "sparse_attn/tile_iter.h"
@@ -126,8 +133,9 @@ __attribute__((always_inline)) inline void accumulate4(float (&acc)[4][64], cons
 // columns at a time (the accumulators stay in registers). A zero p (a hidden key) adds exactly 0,
 // even where its value is NaN; v_finite (the caller checked v's rows) skips that guard.
 SA_CPU_CLONES void pv_tile(const float* p, const float* v, int rows, int cols, int dv, float* out,
-                           bool v_finite = false) {
-  constexpr int N = kBlockN, W = 64;
+                           bool v_finite = false, int ldp = kBlockN) {
+  constexpr int W = 64;
+  const int N = ldp;
   for (int x0 = 0; x0 < dv; x0 += W) {
     const int w = std::min(W, dv - x0);
     int r = 0;
@@ -175,26 +183,47 @@ SA_CPU_CLONES void ptv_tile(const float* p, const float* a, int rows, int cols, 
   }
 }
 
-// s[c] = 2^(s[c] - ref) for c < n, returning their sum. A polynomial on [-1/2, 1/2] (the Taylor
-// series of 2^f to degree 6: relative error below 2e-7, as std::exp2's fp32 rounding) times 2^k, so
-// the loop vectorises; -inf gives 0, NaN stays NaN, results below 2^-126 flush to 0.
+// 2^x for x in [-127, 127]: a polynomial on [-1/2, 1/2] (the Taylor series of 2^f to degree 6:
+// relative error below 2e-7, as std::exp2's fp32 rounding) times 2^k, so that loops over it
+// vectorise. At -127 the power of two's bits are 0, so the result is 0.
+__attribute__((always_inline)) inline float exp2_clamped(float x) {
+  const float k = std::nearbyint(x);
+  const float f = x - k;
+  const float poly =
+      1.f +
+      f * (0.69314718f +
+           f * (0.24022651f + f * (0.05550411f + f * (0.00961813f + f * (0.00133336f + f * 0.00015404f)))));
+  const int32_t bits = (int32_t(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return poly * scale;
+}
+
+// 2^x for any x: -inf gives 0, NaN stays NaN, results below 2^-126 flush to 0.
+__attribute__((always_inline)) inline float exp2_poly(float x) {
+  const bool nan = x != x;
+  const float xc = nan ? 0.f : (x < -126.f ? -126.f : (x > 127.f ? 127.f : x));
+  return nan ? x : (x < -126.f ? 0.f : exp2_clamped(xc));
+}
+
+// 2^x for x <= 0 or -inf, not NaN (a softmax row's scores minus its max).
+__attribute__((always_inline)) inline float exp2_nonpositive(float x) {
+  return exp2_clamped(x < -127.f ? -127.f : x);
+}
+
+// A finite float to bf16, rounded to nearest even (from_float without the NaN case).
+__attribute__((always_inline)) inline bf16_t bf16_finite(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return bf16_t{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+
+// s[c] = 2^(s[c] - ref) for c < n, returning their sum.
 SA_CPU_CLONES float exp2_row(float* s, int n, float ref) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int c = 0; c < n; ++c) {
-    const float x = s[c] - ref;
-    const bool nan = x != x;
-    const float xc = nan ? 0.f : (x < -126.f ? -126.f : (x > 127.f ? 127.f : x));
-    const float k = std::nearbyint(xc);
-    const float f = xc - k;
-    const float poly =
-        1.f +
-        f * (0.69314718f +
-             f * (0.24022651f + f * (0.05550411f + f * (0.00961813f + f * (0.00133336f + f * 0.00015404f)))));
-    const int32_t bits = (int32_t(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    const float r = nan ? x : (x < -126.f ? 0.f : poly * scale);
+    const float r = exp2_poly(s[c] - ref);
     s[c] = r;
     sum += r;
   }
@@ -232,27 +261,292 @@ void finalize_row(const AttnFwdParams& p, int b, int h, int64_t i, const float* 
   *lse = row_lse(m, l);
 }
 
+// Key tiles per group of the tiled main loop (below).
+constexpr int kGroup = 8;
+constexpr int kGroupN = kGroup * kBlockN;
+
+// K transposed per tile: D x kBlockN, slot after slot. V: column chunk x0 (width w, 64 for the
+// packed bf16 operand, Dv for fp32) of every slot's kBlockN rows, slot after slot, so that the
+// rows of consecutive tiles are one operand.
+struct KVCacheLayout {
+  int64_t k_elems, v_elems;  // per slot
+  int slots, chunk;
+  int64_t v_offset(int slot, int x0) const {
+    const int w = std::min(chunk, int(v_elems / kBlockN) - x0);
+    return int64_t(x0) * slots * kBlockN + int64_t(slot) * kBlockN * w;
+  }
+};
+
+// A key tile (keys n0 .. n0 + cols) as the fp32 products read it: K transposed into kt (D x kBlockN,
+// missing keys as zero columns), V as rows into slot `slot` of vc (layout kv). Returns whether V
+// is finite.
+template <typename T>
+bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float* /*kf*/, float* kt,
+                  float* vc, const KVCacheLayout& kv, int slot) {
+  constexpr int N = kBlockN;
+  const int D = p.d, Dv = p.dv;
+  const T* k = k_row<T>(p, b, hk, n0);
+  const int64_t stride = p.k_row_stride;
+  for (int x = 0; x < D; ++x)  // written contiguously, read across the (L1-resident) rows
+    for (int c = 0; c < N; ++c) kt[x * N + c] = c < cols ? to_float(k[c * stride + x]) : 0.f;
+  float* vt = vc + kv.v_offset(slot, 0);
+  for (int c = 0; c < cols; ++c) load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vt[c * Dv]);
+  return all_finite(vt, int64_t(cols) * Dv);
+}
+
+// The same for the bf16 products, written straight into their operand layout (TileGemm::bf16):
+// K^T (D x kBlockN) as [D / 2][kBlockN] words, the word of key n holding its features 2i and
+// 2i + 1; V in column chunks of kv.chunk, keys paired the same way. Missing keys are zero. Rows
+// k + n * k_stride and v + n * v_stride for n < cols; one vectorised function (the callers are
+// templates, which cannot be multiversioned).
+SA_CPU_CLONES bool pack_kv_bf16(const bf16_t* k, int64_t k_stride, const bf16_t* v, int64_t v_stride,
+                                int cols, int D, int Dv, bf16_t* kt, bf16_t* vc, const KVCacheLayout& kv,
+                                int slot) {
+  constexpr int N = kBlockN;
+  uint32_t* kw = reinterpret_cast<uint32_t*>(kt);
+  for (int i = 0; i < D / 2; ++i)
+    for (int c = 0; c < N; ++c) {
+      uint32_t word = 0;
+      if (c < cols) std::memcpy(&word, k + c * k_stride + 2 * i, sizeof(word));
+      kw[i * N + c] = word;
+    }
+  int bad = 0;  // a NaN or Inf among the values
+  for (int x0 = 0; x0 < Dv; x0 += kv.chunk) {
+    const int w = std::min(kv.chunk, Dv - x0);
+    uint16_t* out = reinterpret_cast<uint16_t*>(vc + kv.v_offset(slot, x0));
+    for (int i = 0; i < N / 2; ++i) {
+      uint16_t* o = out + int64_t(i) * w * 2;
+      const int k0 = 2 * i;
+      const uint16_t* r0 = k0 < cols ? &v[k0 * v_stride + x0].bits : nullptr;
+      const uint16_t* r1 = k0 + 1 < cols ? &v[(k0 + 1) * v_stride + x0].bits : nullptr;
+      if (r1 != nullptr) {
+        for (int x = 0; x < w; ++x) {
+          o[2 * x] = r0[x];
+          o[2 * x + 1] = r1[x];
+          bad |= ((r0[x] & 0x7f80) == 0x7f80) | ((r1[x] & 0x7f80) == 0x7f80);
+        }
+      } else {  // the keys' end: the row that exists, zeros after
+        for (int x = 0; x < w; ++x) {
+          const uint16_t a0 = r0 != nullptr ? r0[x] : 0;
+          o[2 * x] = a0;
+          o[2 * x + 1] = 0;
+          bad |= (a0 & 0x7f80) == 0x7f80;
+        }
+      }
+    }
+  }
+  return bad == 0;
+}
+
+template <typename T>
+bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float* /*kf*/, bf16_t* kt,
+                  bf16_t* vc, const KVCacheLayout& kv, int slot) {
+  return pack_kv_bf16(k_row<T>(p, b, hk, n0), p.k_row_stride, v_row<T>(p, b, hk, n0), p.v_row_stride, cols,
+                      p.d, p.dv, kt, vc, kv, slot);
+}
+
+// One online-softmax step of a group: for each of the rows, the scores of the group's key tiles
+// (raw products, tile j at columns j * kBlockN, row stride kGroupN) scaled into log2 units, the
+// keys hidden by visible[r * kGroup + j] set to -inf, then P = exp2(s - m_new) in place (and as
+// bf16 into p16 when given), acc and l rescaled. A NaN score stays out of the max; exp2 carries it
+// into l and the output.
+SA_CPU_CLONES void softmax_group(float* s, int rows, int tiles, float scale, const uint64_t* visible,
+                                 float* m, float* l, float* acc, int dv, bf16_t* p16) {
+  constexpr int N = kBlockN;
+  const int width = tiles * N;
+  for (int r = 0; r < rows; ++r) {
+    float* sr = s + int64_t(r) * kGroupN;
+    const uint64_t* vis = visible + r * kGroup;
+    bool masked = false;
+    for (int j = 0; j < tiles; ++j) masked |= vis[j] != ~0ull;
+    float mx = kNegInf;
+    int nan = 0;
+    if (!masked) {  // one pass and one horizontal reduction over the whole row
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+      for (int c = 0; c < width; ++c) {
+        const float x = sr[c] * scale;
+        sr[c] = x;
+        mx = x > mx ? x : mx;
+        nan |= x != x;
+      }
+    } else {
+      for (int j = 0; j < tiles * 2; ++j) {  // 32 columns a word: 32-bit shifts vectorise, 64-bit ones do not
+        const uint32_t word = uint32_t(vis[j / 2] >> (32 * (j % 2)));
+        float* sh = sr + 32 * j;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+        for (int c = 0; c < 32; ++c) {
+          const float x = ((word >> c) & 1u) ? sh[c] * scale : kNegInf;
+          sh[c] = x;
+          mx = x > mx ? x : mx;
+          nan |= x != x;
+        }
+      }
+    }
+    const float m_new = std::max(m[r], mx);
+    const float m_ref = softmax_ref(m_new);
+    const float alpha = std::exp2(m[r] - m_ref);  // 0 when m[r] == -inf
+    if (alpha != 1.f) {
+      l[r] *= alpha;
+      float* ar = acc + int64_t(r) * dv;
+#pragma omp simd
+      for (int c = 0; c < dv; ++c) ar[c] *= alpha;
+    }
+    float sum = 0.f;
+    bf16_t* pr = p16 != nullptr ? p16 + int64_t(r) * kGroupN : nullptr;
+    if (nan) {  // the general exponential, which keeps NaN
+#pragma omp simd reduction(+ : sum)
+      for (int c = 0; c < width; ++c) {
+        const float e = exp2_poly(sr[c] - m_ref);
+        sr[c] = e;
+        sum += e;
+      }
+      if (pr != nullptr)
+        for (int c = 0; c < width; ++c) pr[c] = from_float<bf16_t>(sr[c]);
+    } else if (pr != nullptr) {  // P only as the bf16 operand
+#pragma omp simd reduction(+ : sum)
+      for (int c = 0; c < width; ++c) {
+        const float e = exp2_nonpositive(sr[c] - m_ref);
+        sum += e;
+        pr[c] = bf16_finite(e);
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int c = 0; c < width; ++c) {
+        const float e = exp2_nonpositive(sr[c] - m_ref);
+        sr[c] = e;
+        sum += e;
+      }
+    }
+    l[r] += sum;
+    m[r] = m_new;
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SA_CPU_AVX512_BF16 1
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own AVX-512 reduction intrinsics
+#define SA_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+// 2^x on 16 lanes for x <= 0 (a softmax row's scores minus its max): 2^floor(x) (vscalefps) times a
+// polynomial in x - floor(x) (vreduceps), a degree-5 fit on [0, 1) with relative error below
+// 2e-7. Below -128 the result is a denormal of at most 2^-128 (an exact 0 where it matters comes
+// from the caller's mask).
+SA_AVX512_BF16 __attribute__((always_inline)) inline __m512 exp2_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-128.f));
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF);  // x - floor(x)
+  __m512 poly = _mm512_set1_ps(0.00187757635f);
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.00898934156f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.0558263175f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.240153611f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.693153083f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.99999994f));
+  return _mm512_scalef_ps(poly, x);
+}
+
+// softmax_group for the bf16 products, in AVX-512 (every CPU with AMX has AVX512-BF16, whose
+// conversion rounds two vectors of P to bf16 in one instruction), 16 columns a step: the max of
+// the visible scores (masked), then P = 2^(s * scale - m) with the hidden columns zeroed, summed
+// and written as bf16 only. Rows with a NaN score or no visible finite score, and groups whose P
+// must stay fp32 (p16 null), take softmax_group.
+SA_AVX512_BF16 void softmax_group_bf16(float* s, int rows, int tiles, float scale, const uint64_t* visible,
+                                       float* m, float* l, float* acc, int dv, bf16_t* p16) {
+  constexpr int N = kBlockN;
+  const int width = tiles * N;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int r = 0; r < rows; ++r) {
+    float* sr = s + int64_t(r) * kGroupN;
+    const uint64_t* vis = visible + r * kGroup;
+    __m512 vmax = _mm512_set1_ps(kNegInf);
+    __mmask16 nan = 0;
+    for (int c = 0; c < width; c += 16) {
+      const __mmask16 shown = __mmask16(vis[c / N] >> (c % N));
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + c), vscale);
+      // Stored, so that the exponent's s * scale - m is the max's own rounding (computed again,
+      // GCC would fuse it into one multiply-subtract: off by up to half an ulp of s * scale, which
+      // is 2^8192 at 1e11) and the max's P is 1.
+      _mm512_storeu_ps(sr + c, x);
+      nan |= _mm512_mask_cmp_ps_mask(shown, x, x, _CMP_UNORD_Q);
+      vmax = _mm512_mask_max_ps(vmax, shown, x, vmax);  // a NaN x leaves vmax as it was
+    }
+    const float mx = _mm512_reduce_max_ps(vmax);
+    if (nan || mx == kNegInf) {  // (the row is scaled already)
+      softmax_group(sr, 1, tiles, 1.f, vis, m + r, l + r, acc + int64_t(r) * dv, dv,
+                    p16 + int64_t(r) * kGroupN);
+      continue;
+    }
+    const float m_new = std::max(m[r], mx);       // finite
+    const float alpha = std::exp2(m[r] - m_new);  // 0 when m[r] == -inf
+    if (alpha != 1.f) {
+      l[r] *= alpha;
+      float* ar = acc + int64_t(r) * dv;
+      for (int c = 0; c < dv; ++c) ar[c] *= alpha;
+    }
+    const __m512 ref = _mm512_set1_ps(m_new);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    bf16_t* pr = p16 + int64_t(r) * kGroupN;
+    for (int c = 0; c < width; c += 32) {
+      const uint32_t shown = uint32_t(vis[c / N] >> (c % N));
+      const __m512 e0 = _mm512_maskz_mov_ps(__mmask16(shown),
+                                            exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c), ref)));
+      const __m512 e1 = _mm512_maskz_mov_ps(
+          __mmask16(shown >> 16), exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c + 16), ref)));
+      sum0 = _mm512_add_ps(sum0, e0);
+      sum1 = _mm512_add_ps(sum1, e1);
+      _mm512_storeu_si512(pr + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    l[r] += _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+    m[r] = m_new;
+  }
+}
+#pragma GCC diagnostic pop
+#endif
+
 // ---------------------------------------------------------------------------------------------
-// The tiled main loop shared by flash and block-sparse attention.
-template <typename T, typename Tiles>
-void tiled_attention(const AttnFwdParams& p) {
+// The tiled main loop shared by flash and block-sparse attention, on TileGemm products: bf16
+// operands on the matrix unit (kAmx), fp32 otherwise.
+//
+// A 64-query tile walks its key tiles in groups of up to kGroup consecutive tiles (a band or a
+// block-sparse row of adjacent blocks is one group per kGroup tiles): S = Q K^T per key tile into
+// one rows x (kGroup * kBlockN) score buffer, one online-softmax step over the group, then one
+// P V product whose inner dimension is the whole group (a long product runs the matrix unit
+// near its peak; 64-key products do not).
+//
+// Each thread keeps the key tiles of the (batch, kv head) it works on in the products' operand
+// form (KVCacheLayout), each converted on first use, so the query tiles of a head (adjacent in
+// the work order) share them; above kKVCacheBytes per thread one slot is reconverted per tile
+// (groups of one). A value tile holding NaN or Inf takes the guarded product pv_tile, so that a
+// hidden key (P exactly 0) adds exactly 0 rather than 0 x NaN.
+template <typename T, typename Tiles, bool kAmx>
+void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
+  using Op = std::conditional_t<kAmx, bf16_t, float>;  // the products' operand type
+  constexpr int N = kBlockN;
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
   const int64_t work = int64_t(p.b) * p.h * num_m;
   const int D = p.d, Dv = p.dv;
-  // Each thread keeps the key tiles of the (batch, kv head) it works on converted to fp32 (K
-  // transposed), each tile converted on first use, so the query tiles of a head (adjacent in the
-  // work order) share them; above kKVCacheBytes per thread one slot is reconverted per use.
-  const int num_n = (p.lk + kBlockN - 1) / kBlockN;
+  const int num_n = (p.lk + N - 1) / N;
   constexpr int64_t kKVCacheBytes = int64_t(256) << 20;
-  const bool cache = int64_t(num_n) * kBlockN * (D + Dv) * 4 <= kKVCacheBytes;
+  KVCacheLayout kv{int64_t(D) * N, int64_t(N) * Dv, 1, kAmx ? 64 : Dv};
+  const bool cache = int64_t(num_n) * (kv.k_elems + kv.v_elems) * int64_t(sizeof(Op)) <= kKVCacheBytes;
+  if (cache) kv.slots = num_n;
+  const int group = cache ? kGroup : 1;
+  constexpr bool kQInPlace = std::is_same_v<T, Op>;  // Q's rows are the product's operand as they are
+#ifdef SA_CPU_AVX512_BF16
+  static const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16");
+#endif
+  // Whole heads per scheduling chunk when there are enough of them (each head's K/V converted by
+  // one thread), single query tiles otherwise (balance).
+  const int chunk = int64_t(p.b) * p.h >= 2 * int64_t(omp_get_max_threads()) ? num_m : 1;
 #pragma omp parallel
   {
-    const int slots = cache ? num_n : 1;
-    std::vector<float> qf(kBlockM * D), kf(D), kT(int64_t(slots) * D * kBlockN),
-        vf(int64_t(slots) * kBlockN * Dv), s(kBlockM * kBlockN), acc(kBlockM * Dv), m(kBlockM), l(kBlockM);
-    std::vector<uint8_t> ready(slots, 0), finite(slots, 0);
+    std::vector<Op> kc(kv.slots * kv.k_elems), vc(kv.slots * kv.v_elems), qc(kQInPlace ? 0 : kBlockM * D),
+        pc(kAmx ? kBlockM * kGroupN : 0);
+    std::vector<float> s(kBlockM * kGroupN), acc(kBlockM * Dv), m(kBlockM), l(kBlockM), kf(D),
+        vf(kAmx ? kv.v_elems : 0);
+    std::vector<uint64_t> visible(kBlockM * kGroup);
+    std::vector<uint8_t> ready(kv.slots, 0), finite(kv.slots, 0);
     int64_t cached_head = -1;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t w = 0; w < work; ++w) {
       const int m_block = int(w % num_m);
       const int h = int((w / num_m) % p.h);
@@ -264,67 +558,108 @@ void tiled_attention(const AttnFwdParams& p) {
       }
       const int m0 = m_block * kBlockM;
       const int rows = std::min(kBlockM, p.lq - m0);
-      for (int r = 0; r < rows; ++r) load_row(q_row<T>(p, b, h, m0 + r), D, &qf[r * D], p.scale_log2);
+      const Op* qa;
+      int64_t lda;
+      if constexpr (kQInPlace) {
+        qa = reinterpret_cast<const Op*>(q_row<T>(p, b, h, m0));
+        lda = p.q_row_stride;
+      } else {
+        for (int r = 0; r < rows; ++r) load_row(q_row<T>(p, b, h, m0 + r), D, &qc[r * D]);
+        qa = qc.data();
+        lda = D;
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), 0.f);
 
       const Tiles tiles(p, b, h, m_block);
-      for (int it = 0; it < tiles.num_tiles(); ++it) {
-        const int n0 = tiles.n_block(it) * kBlockN;
-        const int cols = std::min(kBlockN, p.lk - n0);
-        if (cols <= 0) continue;
-        const int slot = cache ? tiles.n_block(it) : 0;
-        float* kTs = &kT[int64_t(slot) * D * kBlockN];
-        float* vfs = &vf[int64_t(slot) * kBlockN * Dv];
-        if (!cache || !ready[slot]) {
-          for (int c = 0; c < kBlockN; ++c) {  // K transposed (missing keys: zero columns), V as rows
-            if (c < cols) {
-              load_row(k_row<T>(p, b, hk, n0 + c), D, kf.data());
-              load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vfs[c * Dv]);
+      const int count = tiles.num_tiles();
+      for (int it = 0; it < count;) {
+        // The group: tiles it .. it + n - 1, whose key tiles are consecutive (either direction).
+        int n = 1;
+        const int first = tiles.n_block(it);
+        int step = 0;
+        while (n < group && it + n < count) {
+          const int next = tiles.n_block(it + n);
+          const int d = next - tiles.n_block(it + n - 1);
+          if ((d != 1 && d != -1) || (step != 0 && d != step) || next < 0 || next >= num_n) break;
+          step = d;
+          ++n;
+        }
+        const int lo = step < 0 ? first - (n - 1) : first;
+        if (first < 0 || first >= num_n) {  // (never produced by the iterators) skip defensively
+          it += n;
+          continue;
+        }
+        bool group_finite = true;
+        for (int j = 0; j < n; ++j) {
+          const int t = it + j, nb = tiles.n_block(t), col = nb - lo;
+          const int n0 = nb * N, cols = std::min(N, p.lk - n0);
+          const int slot = cache ? nb : 0;
+          if (!cache || !ready[slot]) {
+            finite[slot] =
+                load_kv_tile<T>(p, b, hk, n0, cols, kf.data(), &kc[slot * kv.k_elems], vc.data(), kv, slot);
+            ready[slot] = 1;
+          }
+          group_finite &= finite[slot] != 0;
+          const uint64_t in_range = cols >= 64 ? ~0ull : (uint64_t(1) << cols) - 1;
+          const bool need_mask = tiles.tile_needs_mask(t);
+          for (int r = 0; r < rows; ++r)
+            visible[r * kGroup + col] = need_mask ? tiles.visible_bits(t, m0 + r) & in_range : in_range;
+          if constexpr (kAmx) {
+            g.bf16(rows, N, D, lda, N, kGroupN, false, qa, &kc[slot * kv.k_elems], &s[col * N]);
+          } else {
+            g.f32(rows, N, D, lda, N, kGroupN, false, qa, &kc[slot * kv.k_elems], &s[col * N]);
+          }
+        }
+        bf16_t* p16 = nullptr;  // P as the bf16 product's operand
+        if constexpr (kAmx) p16 = group_finite ? pc.data() : nullptr;
+#ifdef SA_CPU_AVX512_BF16
+        if (p16 != nullptr && avx512_bf16)
+          softmax_group_bf16(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(), acc.data(),
+                             Dv, p16);
+        else
+#endif
+          softmax_group(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(), acc.data(), Dv,
+                        p16);
+        const int slot0 = cache ? lo : 0;
+        const int keys = std::min(n * N, p.lk - lo * N);  // the group's keys that exist
+        if (!group_finite) {  // the guarded product, on fp32 values, one tile at a time
+          for (int j = 0; j < n; ++j) {
+            const int n0 = (lo + j) * N, cols = std::min(N, p.lk - n0);
+            const float* v_rows;
+            if constexpr (kAmx) {
+              for (int c = 0; c < cols; ++c) load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vf[c * Dv]);
+              v_rows = vf.data();
+            } else {
+              v_rows = &vc[kv.v_offset(cache ? lo + j : 0, 0)];
             }
-            for (int x = 0; x < D; ++x) kTs[x * kBlockN + c] = c < cols ? kf[x] : 0.f;
+            pv_tile(&s[j * N], v_rows, rows, cols, Dv, acc.data(), false, kGroupN);
           }
-          finite[slot] = all_finite(vfs, int64_t(cols) * Dv);
-          ready[slot] = 1;
+        } else if constexpr (kAmx) {
+          for (int x0 = 0; x0 < Dv; x0 += kv.chunk) {
+            const int wd = std::min(kv.chunk, Dv - x0);
+            g.bf16(rows, wd, n * N, kGroupN, wd, Dv, true, pc.data(), &vc[kv.v_offset(slot0, x0)], &acc[x0]);
+          }
+        } else {
+          g.f32(rows, Dv, keys, kGroupN, Dv, Dv, true, s.data(), &vc[kv.v_offset(slot0, 0)], acc.data());
         }
-        score_tile(qf.data(), kTs, rows, D, s.data());
-        const bool need_mask = tiles.tile_needs_mask(it);
-        for (int r = 0; r < rows; ++r) {
-          float* sr = &s[r * kBlockN];
-          if (need_mask) {
-            const uint64_t bits = tiles.visible_bits(it, m0 + r);
-            for (int c = 0; c < cols; ++c)
-              if (!((bits >> c) & 1u)) sr[c] = kNegInf;
-          }
-          float mx = kNegInf;
-          int nan = 0;
-#pragma omp simd reduction(max : mx) reduction(| : nan)
-          for (int c = 0; c < cols; ++c) {
-            mx = sr[c] > mx ? sr[c] : mx;  // a NaN score stays out of the max
-            nan |= sr[c] != sr[c];
-          }
-          if (mx == kNegInf && !nan) {  // nothing visible in this tile for this row
-            std::fill(sr, sr + cols, 0.f);
-            continue;
-          }
-          // A NaN score is not part of the max; exp2(NaN) carries it into l and the output.
-          const float m_new = std::max(m[r], mx);
-          const float m_ref = softmax_ref(m_new);
-          const float alpha = std::exp2(m[r] - m_ref);  // 0 when m[r] == -inf
-          float* ar = &acc[r * Dv];
-          if (alpha != 1.f) {
-            l[r] *= alpha;
-            for (int c = 0; c < Dv; ++c) ar[c] *= alpha;
-          }
-          l[r] += exp2_row(sr, cols, m_ref);
-          m[r] = m_new;
-        }
-        pv_tile(s.data(), vfs, rows, cols, Dv, acc.data(), finite[slot]);
+        it += n;
       }
       for (int r = 0; r < rows; ++r) finalize_row<T>(p, b, h, m0 + r, &acc[r * Dv], m[r], l[r]);
     }
+    if constexpr (kAmx) g.release_bf16();
   }
+}
+
+// The tiled loop on the matrix unit where the CPU has bf16 matrix instructions and the head
+// dimensions fit its operand layout (multiples of 16), else in fp32.
+template <typename T, typename Tiles>
+void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    if (g.bf16 != nullptr && p.d % 16 == 0 && p.dv % 16 == 0) return tiled_attention<T, Tiles, true>(p, g);
+  }
+  tiled_attention<T, Tiles, false>(p, g);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -673,13 +1008,13 @@ void dense_fwd(const AttnFwdParams& p) {
   dispatch_dtype(p.dtype, [&](auto t) { dense_impl<decltype(t)>(p); });
 }
 
-void flash_fwd(const AttnFwdParams& p) {
-  dispatch_dtype(p.dtype, [&](auto t) { tiled_attention<decltype(t), WindowTiles<kBlockM, kBlockN>>(p); });
+void flash_fwd(const AttnFwdParams& p, const TileGemm& g) {
+  dispatch_dtype(p.dtype, [&](auto t) { tiled_attention<decltype(t), WindowTiles<kBlockM, kBlockN>>(p, g); });
 }
 
-void block_sparse_fwd(const AttnFwdParams& p) {
+void block_sparse_fwd(const AttnFwdParams& p, const TileGemm& g) {
   dispatch_dtype(p.dtype,
-                 [&](auto t) { tiled_attention<decltype(t), BlockSparseTiles<kBlockM, kBlockN>>(p); });
+                 [&](auto t) { tiled_attention<decltype(t), BlockSparseTiles<kBlockM, kBlockN>>(p, g); });
 }
 
 void gather_fwd(const AttnFwdParams& p) {

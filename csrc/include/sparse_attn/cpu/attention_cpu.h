@@ -3,6 +3,7 @@
 // scores of flash, block-sparse and gather attention never exist beyond one tile per thread.
 #pragma once
 
+#include "sparse_attn/cpu/tile_gemm.h"
 #include "sparse_attn/params.h"
 #include "sparse_attn/plan.h"
 
@@ -16,9 +17,9 @@ constexpr int kBlockN = flash_fwd_cpu_tile().block_n;
 // softmax(scale * Q K^T + mask) V through the fp32 score matrix params.scores (B, H, Lq, Lk).
 void dense_fwd(const AttnFwdParams& params);
 // Tiled online-softmax attention over the band of params.window_* (dense when unbounded).
-void flash_fwd(const AttnFwdParams& params);
+void flash_fwd(const AttnFwdParams& params, const TileGemm& gemm);
 // Attention over the key blocks listed in params.kv_* (exact element masks in partial blocks).
-void block_sparse_fwd(const AttnFwdParams& params);
+void block_sparse_fwd(const AttnFwdParams& params, const TileGemm& gemm);
 // Attention of each query over the keys params.indices lists for it (-1 = none).
 void gather_fwd(const AttnFwdParams& params);
 // The topk largest-scoring visible keys of each query (ties: lower index), ascending, -1 padded.

@@ -1,0 +1,72 @@
+"""The CPU main loop's tile products (csrc/cpu/attention_cpu.cpp): groups of up to 8 consecutive
+key tiles run as one softmax step and one P V product, bf16 on the matrix unit where the CPU has
+one (head dims that are multiples of 16) and fp32 otherwise. These cases reach every branch of
+it: long rows (full groups plus a ragged tail), groups broken by a block-sparse list, head dims on
+and off the matrix unit's layout, hidden values that are NaN inside a group, scores so large that
+the exponent's rounding matters, and strided inputs read in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from utils import check_attention, make_qkv
+
+import sparse_attn
+from sparse_attn import patterns
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (40, 40), (48, 80), (256, 256)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_rows_every_head_dim(dtype, d, dv, causal):
+    # 700 keys: one full group of 8 tiles, then 3 tiles, the last ragged (700 = 10 * 64 + 60).
+    q, k, v = make_qkv(1, 4, 2, 193, 700, d, dv, dtype=dtype, seed=d + dv)
+    out, lse = sparse_attn.flash_attention(q, k, v, causal=causal, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=IDS.get)
+def test_windows_and_block_lists_break_groups(dtype):
+    q, k, v = make_qkv(2, 2, 2, 1000, 1000, 64, dtype=dtype, seed=5)
+    out, lse = sparse_attn.flash_attention(q, k, v, window=(300, 77), return_lse=True)
+    i = torch.arange(1000)
+    band = ((i[:, None] - i[None, :]) <= 300) & ((i[None, :] - i[:, None]) <= 77)
+    check_attention(out, lse, q, k, v, mask=band, name="window")
+    # Random 64-blocks: runs of adjacent key blocks of every length, some partial (Longformer's
+    # global rows and columns).
+    mask = patterns.random_blocks(1000, 0.4, seed=1, block_size=64) | patterns.longformer(
+        1000, 100, [0, 513], block_size=64
+    )
+    out, lse = sparse_attn.block_sparse_attention(q, k, v, mask, return_lse=True)
+    check_attention(out, lse, q, k, v, mask=mask.to_dense(), name="block-sparse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=IDS.get)
+def test_hidden_nan_inside_a_group_stays_hidden(dtype):
+    q, k, v = make_qkv(1, 1, 1, 512, 512, 64, dtype=dtype, seed=7)
+    v[0, 0, 300] = float("nan")  # key 300: tile 4 of the first group of every row that reaches it
+    k[0, 0, 301] = float("inf")
+    out = sparse_attn.flash_attention(q, k, v, causal=True)
+    assert not out[0, 0, :300].isnan().any()
+    assert out[0, 0, 300:].isnan().all()
+
+
+def test_large_scores_keep_p_of_the_max_at_one():
+    # 1000^2 * 64 * scale: the exponent must reuse the max's rounding of s * scale, or every P is
+    # off by up to 2^(ulp / 2) (an fused multiply-subtract gave 996 instead of 1000 here, NaN at 133120).
+    for value in (1000.0, 133120.0):
+        q = torch.full((1, 2, 200, 64), value, dtype=torch.bfloat16)
+        out = sparse_attn.flash_attention(q, q, q)
+        assert (out == value).all(), value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=IDS.get)
+def test_strided_queries_read_in_place(dtype):
+    # (B, L, H, D) storage viewed as (B, H, L, D): Q's rows are read with their row stride.
+    q, k, v = make_qkv(2, 4, 4, 300, 300, 64, dtype=dtype, seed=9, layout="blhd")
+    assert not q.is_contiguous()
+    out, lse = sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=True)
