@@ -77,10 +77,12 @@ def is_flex_block_mask(mask) -> bool:
 
 
 def check_mask_kind(mask) -> None:
-    if not (isinstance(mask, (BlockSparseMask, torch.Tensor)) or is_flex_block_mask(mask)):
+    from .patterns import Pattern
+
+    if not (isinstance(mask, (BlockSparseMask, torch.Tensor, Pattern)) or is_flex_block_mask(mask)):
         raise TypeError(
-            "mask must be a BlockSparseMask, a FlexAttention BlockMask or a bool block matrix, "
-            f"got {type(mask).__name__}"
+            "mask must be a BlockSparseMask, a patterns.Pattern, a FlexAttention BlockMask or a bool block "
+            f"matrix, got {type(mask).__name__}"
         )
 
 
@@ -127,12 +129,17 @@ def from_flex_cached(block_mask) -> BlockSparseMask:
 
 def block_sparse_mask(mask, query: torch.Tensor, key: torch.Tensor) -> BlockSparseMask:
     """``block_sparse_attention``'s mask argument as a BlockSparseMask for (Lq, Lk) on the query's
-    device (a FlexAttention BlockMask is converted once per mask object, see from_flex_cached)."""
+    device (a FlexAttention BlockMask is converted once per mask object, see from_flex_cached; a
+    Pattern resolved for these lengths)."""
     check_4d(query=query, key=key)
     check_mask_kind(mask)
+    from .patterns import Pattern
+
     lq, lk = query.shape[-2], key.shape[-2]
     if isinstance(mask, BlockSparseMask):
         result = mask
+    elif isinstance(mask, Pattern):
+        result = mask.resolve(lq, lk, device=query.device)
     elif isinstance(mask, torch.Tensor):
         size = matrix_block_size(mask, lq, lk)
         result = BlockSparseMask.from_block_matrix(mask, seq_lengths=(lq, lk), block_size=size)

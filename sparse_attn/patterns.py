@@ -8,6 +8,13 @@ Patterns compose with ``|`` and ``&``::
 
     mask = patterns.sliding_window(L, 256) | patterns.global_tokens(L, [0, 1, 2, 3])
 
+Called without its length, a builder returns a :class:`Pattern` instead, which
+``block_sparse_attention`` resolves for each call's (Lq, Lk), bottom-right aligned (the last Lq rows
+of the Lk x Lk pattern: prefill and KV-cache decode alike)::
+
+    window = patterns.sliding_window(window=256, sinks=4)   # or patterns.sliding_window(256)
+    out = sparse_attn.block_sparse_attention(q, k, v, window, causal=True)  # any Lq <= Lk
+
 The masks are built by ``sparse_attn._mask_compiler``, never over an L x L tensor. With equal
 query and key blocks (the default) no pattern synchronises the host with the device
 (``causal(compact=True)`` aside), each runs the same few device operations at any length, and a
@@ -18,15 +25,19 @@ other patterns can be captured too. Mixed block sizes take a generic path that s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from ._mask_compiler import Dilated, Dilated2d, Interval, RandomBlocks, Strided, WindowUnion, compile_mask
-from .masks import BlockSparseMask, ExactForm, _check_block_size, _pair
+from .masks import _CHUNK, _FULL, _NONE, BlockSparseMask, ExactForm, _check_block_size, _pair, unpack_bits
 
 __all__ = [
+    "Pattern",
     "causal",
     "sliding_window",
     "dilated",
@@ -77,6 +88,159 @@ def _global_idx(seq_len: int, global_idx: Sequence[int] | torch.Tensor) -> tuple
     return tuple(np.unique(idx).tolist())
 
 
+# ------------------------------------------------------------------------ length-agnostic patterns
+class Pattern:
+    """A pattern not bound to lengths: ``builder``'s mask for whatever (Lq, Lk) a call has.
+
+    Made by calling a builder without its length (``patterns.longformer(window=256,
+    global_idx=[0])``, ``patterns.sliding_window(256)``) or as ``Pattern(builder, **params)``.
+    :meth:`resolve` (which ``block_sparse_attention`` calls) gives the last Lq query rows of the
+    builder's Lk x Lk mask: query i sits at position i + Lk - Lq, as causal masks and KV-cache
+    decode align it; with Lq > Lk the first Lq - Lk queries see no key. Equal lengths give the
+    builder's own mask (its exact form included, so a window still runs as ``flash_attention``);
+    other lengths read the square mask's blocks and bits (with Lq < Lk a sliding window keeps its
+    exact form, whose flash window is bottom-right aligned too). The last few resolved masks are kept, per
+    (Lq, Lk, device); a decode step (Lq = 1, a new Lk each step) costs one square build and
+    O(Lq x the pattern's keys) element tests.
+
+    ``causal`` resolves to ``causal(Lq, Lk)`` itself. Patterns combine with ``|`` and ``&`` (each
+    side resolved, then combined).
+    """
+
+    _KEEP = 8  # resolved masks kept
+
+    def __init__(self, builder: Callable[..., BlockSparseMask], /, **params):
+        self.builder, self.params = builder, params
+        self._resolved: OrderedDict = OrderedDict()
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"Pattern({getattr(self.builder, '__name__', 'combined')}, {args})"
+
+    def resolve(self, lq: int, lk: int, *, device=None) -> BlockSparseMask:
+        """The mask for (Lq, Lk) on ``device`` (None: the CPU)."""
+        lq, lk = _lengths(lq, lk)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        key = (lq, lk, dev)
+        hit = self._resolved.get(key)
+        if hit is not None:
+            self._resolved.move_to_end(key)
+            return hit
+        mask = self._build(lq, lk, dev)
+        if not torch.compiler.is_compiling():
+            self._resolved[key] = mask
+            while len(self._resolved) > self._KEEP:
+                self._resolved.popitem(last=False)
+        return mask
+
+    def _build(self, lq: int, lk: int, dev: torch.device) -> BlockSparseMask:
+        if self.builder is causal:
+            return causal(lq, lk, device=dev, **self.params)
+        square = self.builder(lk, device=dev, **self.params)
+        if lq == lk:
+            return square
+        rows = _bottom_rows(square, lq)
+        form = square.exact_form
+        if form is not None and form.kind == "window" and lq < lk:  # (flash's window is not empty above row Lq - Lk)
+            rows.exact_form = form
+        return rows
+
+    def __or__(self, other: Pattern) -> Pattern:
+        return _Combined(self, other, union=True)
+
+    def __and__(self, other: Pattern) -> Pattern:
+        return _Combined(self, other, union=False)
+
+
+class _Combined(Pattern):
+    def __init__(self, a: Pattern, b: Pattern, union: bool):
+        super().__init__(None, a=a, b=b, op="|" if union else "&")
+        self._union = union
+
+    def _build(self, lq: int, lk: int, dev: torch.device) -> BlockSparseMask:
+        ma, mb = self.params["a"].resolve(lq, lk, device=dev), self.params["b"].resolve(lq, lk, device=dev)
+        return (ma | mb) if self._union else (ma & mb)
+
+
+def _length_agnostic(single: str | None = None):
+    """A builder called without its length (first argument) returns a :class:`Pattern` of it.
+    ``single``: the parameter that one positional argument alone stands for
+    (``sliding_window(256)`` is ``sliding_window(window=256)``)."""
+
+    def wrap(builder):
+        @functools.wraps(builder)
+        def call(*args, **kwargs):
+            if "seq_len" in kwargs or "lq" in kwargs or len(args) > 1:
+                return builder(*args, **kwargs)
+            if len(args) == 1:
+                if single is None or single in kwargs:
+                    return builder(*args, **kwargs)
+                kwargs[single] = args[0]
+            return Pattern(call, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def _bottom_rows(square: BlockSparseMask, lq: int) -> BlockSparseMask:
+    """The last ``lq`` query rows of a square (Lk, Lk) mask as an (Lq, Lk) mask (Lq > Lk: the
+    first Lq - Lk rows empty), read from its block table and bits: only the blocks the rows touch
+    are tested, element by element."""
+    lk = square.seq_lengths[1]
+    bq, bk = square.block_size
+    dev = square.device
+    off = lk - lq  # new row i is square row i + off
+    sq_table = square.block_table()  # (B|1, H|1, nQb, nKb)
+    nq = math.ceil(lq / bq) if lq else 0
+    qb = torch.arange(nq, device=dev)
+    first, last = qb * bq + off, torch.clamp((qb + 1) * bq, max=lq) - 1 + off
+    live = last >= 0
+    r0 = (first.clamp(0, max(lk - 1, 0)) // bq).long()
+    r1 = (last.clamp(0, max(lk - 1, 0)) // bq).long()
+    nonempty = sq_table != _NONE
+    cand = (nonempty[..., r0, :] | nonempty[..., r1, :]) & live[:, None]
+    table = torch.full(cand.shape, _NONE, dtype=torch.int32, device=dev)
+    bits = unpack_bits(square.partial_masks, bk)
+    if bits.shape[0] == 0:
+        bits = torch.zeros(1, bq, bk, dtype=torch.bool, device=dev)
+
+    def allowed(bi, hi, i, j):
+        p = i + off
+        pc = p.clamp(0, max(lk - 1, 0))
+        t = sq_table[bi, hi, pc // bq, j // bk]
+        inside = bits[t.clamp(min=0).long(), pc % bq, j % bk]
+        return (p >= 0) & ((t == _FULL) | ((t >= 0) & inside))
+
+    return BlockSparseMask._from_predicate(
+        table, cand.nonzero(as_tuple=True), allowed, (lq, lk), square.block_size, chunk_elements=_CHUNK
+    )
+
+
+def _sink_columns(seq_len: int, sinks: int, blocks: tuple[int, int], device, causal: bool) -> BlockSparseMask:
+    """Keys ``j < sinks`` visible from every query (StreamingLLM's attention sinks); causal: from
+    the queries at or after them."""
+    bq, bk = blocks
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    nq, nk = math.ceil(seq_len / bq), math.ceil(seq_len / bk)
+    cand = torch.zeros(1, 1, nq, nk, dtype=torch.bool, device=dev)
+    cand[..., : math.ceil(min(sinks, seq_len) / bk)] = True
+    table = torch.full(cand.shape, _NONE, dtype=torch.int32, device=dev)
+
+    def allowed(bi, hi, i, j):
+        return (j < sinks) & ((j <= i) if causal else (i >= 0))
+
+    return BlockSparseMask._from_predicate(
+        table, cand.nonzero(as_tuple=True), allowed, (seq_len, seq_len), blocks, chunk_elements=_CHUNK
+    )
+
+
+def _with_sinks(mask: BlockSparseMask, seq_len: int, sinks: int, blocks, device, causal=False) -> BlockSparseMask:
+    sinks = _positive("sinks", sinks, 0)
+    return mask if sinks == 0 else mask | _sink_columns(seq_len, sinks, blocks, device, causal)
+
+
+@_length_agnostic()
 def causal(
     lq: int, lk: int, *, block_size: int | tuple[int, int] = 128, device=None, compact: bool = True
 ) -> BlockSparseMask:
@@ -102,11 +266,13 @@ def causal(
     return mask
 
 
+@_length_agnostic(single="window")
 def sliding_window(
     seq_len: int,
     window: int | tuple[int, int],
     *,
     causal: bool = False,
+    sinks: int = 0,
     block_size: int | tuple[int, int] = 128,
     device=None,
 ) -> BlockSparseMask:
@@ -120,8 +286,13 @@ def sliding_window(
     ``sliding_window(L, (w - 1, w - 1))``, and ``flash_attention(window=w)`` is
     ``sliding_window(L, (w, w))``.
 
-    ``block_sparse_attention`` runs this mask (as built here, not combined with others) as
-    ``flash_attention`` with the same window, at every block size."""
+    ``sinks`` > 0: the first ``sinks`` keys too, for every query (causal: every query at or after
+    them): StreamingLLM's attention sinks.
+
+    ``block_sparse_attention`` runs this mask (as built here without sinks, not combined with
+    others) as ``flash_attention`` with the same window, at every block size. Without
+    ``seq_len`` (``sliding_window(256)``, ``sliding_window(window=(255, 0), sinks=4)``): a
+    :class:`Pattern` for any lengths."""
     seq_len = _positive("seq_len", seq_len, 0)
     if isinstance(window, tuple):
         if len(window) != 2:
@@ -133,10 +304,13 @@ def sliding_window(
         left, right = window - 1, 0 if causal else window - 1
     # i - j in [-right, left]: flash's (left, right).
     mask = compile_mask(Interval(-right, left), (seq_len, seq_len), _blocks(block_size), device)
+    if sinks:
+        return _with_sinks(mask, seq_len, sinks, _blocks(block_size), device, causal)
     mask.exact_form = ExactForm("window", left, right)
     return mask
 
 
+@_length_agnostic()
 def dilated(
     seq_len: int, window: int, dilation: int, *, block_size: int | tuple[int, int] = 128, device=None
 ) -> BlockSparseMask:
@@ -156,6 +330,7 @@ def dilated(
     return mask
 
 
+@_length_agnostic()
 def strided(
     seq_len: int, stride: int, local: int, *, block_size: int | tuple[int, int] = 128, device=None
 ) -> BlockSparseMask:
@@ -166,6 +341,7 @@ def strided(
     return compile_mask(Strided(stride, local), (seq_len, seq_len), _blocks(block_size), device)
 
 
+@_length_agnostic()
 def dilated_2d(
     seq_len: int, segment: int, dilation: int, *, block_size: int | tuple[int, int] = 128, device=None
 ) -> BlockSparseMask:
@@ -183,6 +359,7 @@ def dilated_2d(
     return mask
 
 
+@_length_agnostic()
 def global_tokens(
     seq_len: int,
     global_idx: Sequence[int] | torch.Tensor,
@@ -199,23 +376,27 @@ def global_tokens(
     return compile_mask(spec, (seq_len, seq_len), blocks, device)
 
 
+@_length_agnostic()
 def longformer(
     seq_len: int,
     window: int,
     global_idx: Sequence[int] | torch.Tensor,
     *,
+    sinks: int = 0,
     block_size: int | tuple[int, int] = 128,
     device=None,
 ) -> BlockSparseMask:
     """Longformer: a symmetric sliding window of half-width ``window`` plus global tokens:
-    ``|i - j| < window`` or ``i in global_idx`` or ``j in global_idx``."""
+    ``|i - j| < window`` or ``i in global_idx`` or ``j in global_idx``; ``sinks``: also
+    ``j < sinks``."""
     seq_len = _positive("seq_len", seq_len, 0)
     window = _positive("window", window)
     blocks = _blocks(block_size)
     spec = WindowUnion(window, _global_idx(seq_len, global_idx))
-    return compile_mask(spec, (seq_len, seq_len), blocks, device)
+    return _with_sinks(compile_mask(spec, (seq_len, seq_len), blocks, device), seq_len, sinks, blocks, device)
 
 
+@_length_agnostic()
 def bigbird(
     seq_len: int,
     window: int,
@@ -224,10 +405,11 @@ def bigbird(
     seed: int = 0,
     *,
     heads: int = 1,
+    sinks: int = 0,
     block_size: int | tuple[int, int] = 128,
     device=None,
 ) -> BlockSparseMask:
-    """BigBird: sliding window ∪ the first ``num_global`` tokens as global tokens ∪
+    """BigBird (``sinks``: also ``j < sinks``): sliding window ∪ the first ``num_global`` tokens as global tokens ∪
     ``num_random`` random key blocks per query block (seeded; ``heads`` > 1 draws one set per head).
 
     The random blocks are full blocks: for each head and query block, ``min(num_random, nKb)``
@@ -241,9 +423,11 @@ def bigbird(
     heads = _positive("heads", heads)
     random = (num_random, seed, heads) if num_random else None
     spec = WindowUnion(window, tuple(range(min(num_global, seq_len))), random)
-    return compile_mask(spec, (seq_len, seq_len), _blocks(block_size), device)
+    blocks = _blocks(block_size)
+    return _with_sinks(compile_mask(spec, (seq_len, seq_len), blocks, device), seq_len, sinks, blocks, device)
 
 
+@_length_agnostic()
 def random_blocks(
     seq_len: int,
     density: float,

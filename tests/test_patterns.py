@@ -11,7 +11,8 @@ import torch
 from utils import check_attention, make_qkv
 
 import sparse_attn
-from sparse_attn import BlockSparseMask, patterns
+from sparse_attn import BlockSparseMask, patterns, reference
+from sparse_attn.masks import ExactForm
 
 NONE, FULL = -2, -1
 LENGTHS = [1, 17, 200, 257, 640]
@@ -224,9 +225,7 @@ def _random_part(mask, deterministic, block_size):
     assert bool((dense >= deterministic).all()), "the window and global tokens must be kept"
     full = (mask.block_table() == FULL).repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :lq, :lk]
     extra = dense & ~deterministic
-    assert not bool((extra & ~full).any()), (
-        "pairs beyond window and globals must come from whole random blocks"
-    )
+    assert not bool((extra & ~full).any()), "pairs beyond window and globals must come from whole random blocks"
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -251,9 +250,7 @@ def test_bigbird_draws_the_requested_number_of_random_blocks(num_random, block_s
     n = length // block_size
     full = mask.block_table()[0, 0] == FULL
     assert full.sum(-1).tolist() == [min(num_random, n)] * n
-    want = pred_sliding_window(length, 1) | full.repeat_interleave(block_size, 0).repeat_interleave(
-        block_size, 1
-    )
+    want = pred_sliding_window(length, 1) | full.repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
     check_pattern(mask, want, block_size)
 
 
@@ -318,8 +315,7 @@ _COMPOSITIONS = {
     ),
     "window_or_global": (
         lambda n, bs: (
-            patterns.sliding_window(n, 20, block_size=bs)
-            | patterns.global_tokens(n, [0, n // 2], block_size=bs)
+            patterns.sliding_window(n, 20, block_size=bs) | patterns.global_tokens(n, [0, n // 2], block_size=bs)
         ),
         lambda n: pred_sliding_window(n, 20) | pred_global(n, sorted({0, n // 2})),
     ),
@@ -329,8 +325,7 @@ _COMPOSITIONS = {
     ),
     "dilated_2d_or_causal_window": (
         lambda n, bs: (
-            patterns.dilated_2d(n, 96, 4, block_size=bs)
-            | patterns.sliding_window(n, 8, causal=True, block_size=bs)
+            patterns.dilated_2d(n, 96, 4, block_size=bs) | patterns.sliding_window(n, 8, causal=True, block_size=bs)
         ),
         lambda n: pred_dilated_2d(n, 96, 4) | pred_sliding_window(n, 8, causal=True),
     ),
@@ -530,3 +525,65 @@ def test_bad_arguments_raise_value_error_naming_them(case):
     with pytest.raises(ValueError, match=name):
         bad()
     assert isinstance(good(), BlockSparseMask)
+
+
+# ---- length-agnostic patterns (patterns.Pattern)
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: patterns.sliding_window(40),
+        lambda: patterns.sliding_window(window=(30, 0), sinks=3, causal=True),
+        lambda: patterns.longformer(window=33, global_idx=[0, 70], sinks=2, block_size=64),
+        lambda: patterns.bigbird(window=20, num_global=3, num_random=2, heads=2, block_size=64),
+        lambda: patterns.dilated(window=90, dilation=3),
+        lambda: patterns.strided(stride=50, local=10),
+        lambda: patterns.dilated_2d(segment=64, dilation=2),
+        lambda: patterns.sliding_window(16) | patterns.global_tokens(global_idx=[5]),
+        lambda: patterns.sliding_window(100) & patterns.random_blocks(density=0.5, seed=3),
+    ],
+    ids=[
+        "window",
+        "causal-window-sinks",
+        "longformer-sinks",
+        "bigbird-heads",
+        "dilated",
+        "strided",
+        "dilated2d",
+        "union",
+        "intersection",
+    ],
+)
+@pytest.mark.parametrize("lq,lk", [(257, 257), (1, 257), (40, 257), (130, 200), (300, 200)])
+def test_pattern_resolves_to_the_bottom_rows_of_its_square(make, lq, lk):
+    pattern = make()
+    assert isinstance(pattern, patterns.Pattern)
+    mask = pattern.resolve(lq, lk)
+    assert mask.seq_lengths == (lq, lk)
+    mask.validate()
+    got = mask.to_dense()
+    square = pattern.resolve(lk, lk).to_dense()
+    if lq <= lk:
+        assert torch.equal(got, square[..., lk - lq :, :].expand_as(got))
+    else:
+        assert not got[..., : lq - lk, :].any()
+        assert torch.equal(got[..., lq - lk :, :], square.expand_as(got[..., lq - lk :, :]))
+    assert pattern.resolve(lq, lk) is mask  # kept
+
+
+def test_pattern_through_block_sparse_attention_and_its_routes():
+    q = torch.randn(1, 2, 33, 32)
+    k, v = torch.randn(1, 2, 300, 32), torch.randn(1, 2, 300, 32)
+    window = patterns.sliding_window(64)
+    mask = window.resolve(33, 300)
+    assert mask.exact_form == ExactForm("window", 63, 63)  # decode keeps the flash route
+    out = sparse_attn.block_sparse_attention(q, k, v, window, causal=True)
+    gold, _ = reference.attention(q, k, v, mask=mask.to_dense() & patterns.causal(33, 300).to_dense())
+    torch.testing.assert_close(out.double(), gold, atol=1e-5, rtol=1e-5)
+    assert patterns.sliding_window(64).resolve(300, 200).exact_form is None  # rows above Lk - Lq: empty
+    sinks = patterns.sliding_window(300, 16, sinks=4).to_dense()[0, 0]
+    i, j = torch.arange(300)[:, None], torch.arange(300)[None, :]
+    assert torch.equal(sinks, ((i - j).abs() < 16) | (j < 4))
+    with pytest.raises(ValueError, match="sinks"):
+        patterns.sliding_window(300, 16, sinks=-1)
+    with pytest.raises(TypeError, match="patterns.Pattern"):
+        sparse_attn.block_sparse_attention(q, k, v, "window")

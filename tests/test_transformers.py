@@ -175,3 +175,45 @@ def test_training_step_gradients_equal_sdpa(padded, device):
         out.loss.backward()
     for (name, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("lq,lk", [(70, 70), (1, 90), (5, 130)])
+def test_pattern_mode_is_the_bottom_rows_of_the_square_pattern(lq, lk):
+    # mode="pattern": Longformer with sinks, resolved for prefill and decode shapes alike.
+    from types import SimpleNamespace
+
+    from sparse_attn import patterns, reference
+
+    module = SimpleNamespace(config=SimpleNamespace(), layer_idx=0, is_causal=True, training=False)
+    args = {"window": 9, "global_idx": [3], "sinks": 2}
+    sa_hf.configure(module, mode="pattern", pattern="longformer", pattern_args=args)
+    g = torch.Generator().manual_seed(lq * lk)
+    q, k, v = (
+        torch.randn(1, 4, lq, 32, generator=g),
+        torch.randn(1, 2, lk, 32, generator=g),
+        torch.randn(1, 2, lk, 32, generator=g),
+    )
+    out, _ = sa_hf.attention_forward(module, q, k, v, None)
+    square = patterns.longformer(lk, **args, block_size=64).to_dense()[0, 0]
+    i = torch.arange(lq)[:, None] + (lk - lq)
+    mask = square[lk - lq :] & (torch.arange(lk)[None, :] <= i)
+    gold, _ = reference.attention(q, k, v, mask=mask)
+    torch.testing.assert_close(out.transpose(1, 2).double(), gold, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_pattern_mode_generation_with_cache_equals_without():
+    # Decode steps resolve the pattern for (1, Lk): the same rows a full recomputation sees.
+    ours = _model()
+    sa_hf.configure(
+        ours, mode="pattern", pattern="bigbird", pattern_args={"window": 8, "num_global": 2, "num_random": 1}
+    )
+    ids = _ids(b=1, length=70)
+    kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    cached = ours.generate(ids, use_cache=True, **kwargs)
+    assert torch.equal(cached, ours.generate(ids, use_cache=False, **kwargs))
+    # and a padded batch runs the pattern within the model's mask
+    ids2 = _ids(b=2, length=70)
+    attention = torch.ones_like(ids2)
+    attention[0, :5] = 0
+    ours(ids2, attention_mask=attention)

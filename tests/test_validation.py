@@ -462,7 +462,7 @@ LB = 256  # two 128-blocks or four 64-blocks
             (
                 "list",
                 TypeError,
-                r"mask must be a BlockSparseMask, a FlexAttention BlockMask or a bool block matrix",
+                r"mask must be a BlockSparseMask, a patterns.Pattern, a FlexAttention BlockMask or a bool block",
             ),
             ("none", TypeError, r"mask must be a BlockSparseMask"),
         ]

@@ -22,13 +22,15 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from .. import ops
+from .. import ops, patterns
 from ..masks import BlockSparseMask
 
 __all__ = ["LayerConfig", "attention_forward", "configure", "register"]
 
 NAME = "sparse_attn"  # transformers rejects implementation names containing "flash"
-_MODES = ("dense", "sliding_window", "topk", "block_topk")
+_MODES = ("dense", "sliding_window", "topk", "block_topk", "pattern")
+# Builders of sparse_attn.patterns a layer may name (mode="pattern").
+_PATTERNS = ("sliding_window", "longformer", "bigbird", "dilated", "strided", "dilated_2d", "global_tokens")
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,12 @@ class LayerConfig:
     - ``"sliding_window"``: each query sees its ``window`` most recent keys, itself included
       (``flash_attention(window=(window - 1, 0))``, the convention of Mistral's ``sliding_window``);
     - ``"topk"``: ``topk_attention`` over the ``k`` best keys per query and head;
-    - ``"block_topk"``: ``topk_attention`` over the ``k`` best key blocks of ``block_size``.
+    - ``"block_topk"``: ``topk_attention`` over the ``k`` best key blocks of ``block_size``;
+    - ``"pattern"``: ``block_sparse_attention`` over the pattern builder ``pattern`` of
+      ``sparse_attn.patterns`` with the keyword arguments ``pattern_args`` (plain values, so the
+      setting saves with the model's config), as a length-agnostic :class:`~sparse_attn.patterns.Pattern`
+      resolved for each call's lengths (prefill, decode), within causal when the layer is; e.g.
+      ``pattern="longformer", pattern_args={"window": 256, "global_idx": [0, 1, 2, 3]}``.
 
     ``dense_below``: keys below this count run dense whatever the mode (short prompts gain nothing
     from sparsity). ``sinks`` (sliding_window): the first ``sinks`` keys stay visible to every
@@ -52,10 +59,14 @@ class LayerConfig:
     block_size: int = 64
     dense_below: int = 0
     sinks: int = 0
+    pattern: str = ""
+    pattern_args: dict | None = None
 
     def __post_init__(self):
         if self.mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {self.mode!r}")
+        if self.mode == "pattern" and self.pattern not in _PATTERNS:
+            raise ValueError(f"mode='pattern' needs pattern= one of {_PATTERNS}, got {self.pattern!r}")
         for name in ("window", "k", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
@@ -131,6 +142,19 @@ def _window_block_mask(lq: int, lk: int, config: LayerConfig, causal: bool, devi
     return _WINDOW_MASKS[key]
 
 
+_PATTERN_OBJECTS: dict[str, patterns.Pattern] = {}
+
+
+def _pattern(config: LayerConfig) -> patterns.Pattern:
+    """The layer's Pattern (one object per setting, so that its resolved masks are reused by every
+    layer of a forward and across calls), on 64-blocks like the padding masks it may meet."""
+    args = {"block_size": 64, **(config.pattern_args or {})}
+    key = repr((config.pattern, sorted(args.items())))
+    if key not in _PATTERN_OBJECTS:
+        _PATTERN_OBJECTS[key] = patterns.Pattern(getattr(patterns, config.pattern), **args)
+    return _PATTERN_OBJECTS[key]
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -158,10 +182,13 @@ def attention_forward(
             return out.transpose(1, 2), None
         if mode == "sliding_window":  # the window (and sinks) within the model's mask
             attention_mask = attention_mask & _window_mask(lq, lk, config, False, query.device)
+        elif mode == "pattern":  # the pattern within the model's mask (which holds its causality)
+            mask = _block_mask(attention_mask) & _pattern(config).resolve(lq, lk, device=query.device)
+            return ops.block_sparse_attention(query, key, value, mask, scale=scaling).transpose(1, 2), None
         elif mode != "dense":
             raise NotImplementedError(
                 f"sparse_attn mode {mode!r} does not take the model's attention mask (padding) yet; "
-                "use unpadded batches, or mode='dense' / 'sliding_window'"
+                "use unpadded batches, or mode='dense' / 'sliding_window' / 'pattern'"
             )
         out = ops.block_sparse_attention(query, key, value, _block_mask(attention_mask), scale=scaling)
     elif mode == "dense":
@@ -172,6 +199,8 @@ def attention_forward(
     elif mode == "sliding_window":  # a bidirectional layer sees the window on both sides
         right = 0 if causal else config.window - 1
         out = ops.flash_attention(query, key, value, window=(config.window - 1, right), scale=scaling)
+    elif mode == "pattern":
+        out = ops.block_sparse_attention(query, key, value, _pattern(config), causal=causal, scale=scaling)
     elif mode == "topk":
         out = ops.topk_attention(query, key, value, config.k, causal=causal, scale=scaling)
     else:
