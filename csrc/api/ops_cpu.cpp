@@ -154,7 +154,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_bwd_cpu(
     c10::optional<double> scale, bool causal, int64_t window_left, int64_t window_right) {
   BwdCall c = prepare_bwd(grad_out, query, key, value, out, lse, grad_lse, scale);
   set_params_window(c.params.fwd, causal, window_left, window_right);
-  if (query.numel() + key.numel() > 0) cpu::flash_bwd(c.params);
+  if (query.numel() + key.numel() > 0) cpu::flash_bwd(c.params, tile_gemm());
   return {c.t.dq, c.t.dk, c.t.dv};
 }
 
@@ -166,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cpu(
   BwdCall c = prepare_bwd(grad_out, query, key, value, out, lse, grad_lse, scale);
   auto keep = set_params_block_sparse(c.params.fwd, query, c.s, kv_num_blocks, kv_indices, kv_partial,
                                       partial_masks, q_block, kv_block);
-  if (query.numel() + key.numel() > 0) cpu::block_sparse_bwd(c.params);
+  if (query.numel() + key.numel() > 0) cpu::block_sparse_bwd(c.params, tile_gemm());
   return {c.t.dq, c.t.dk, c.t.dv};
 }
 

@@ -74,37 +74,6 @@ inline void axpy(float alpha, const float* x, float* y, int n) {
 #define SA_CPU_CLONES
 #endif
 //
-// s[r * kBlockN + c] = q[r] . kT[:, c] for r < rows: the key tile transposed (d rows of kBlockN
-// keys), four query rows at a time, the compiler vectorising over the keys.
-SA_CPU_CLONES void score_tile(const float* q, const float* kT, int rows, int d, float* s) {
-  constexpr int N = kBlockN;
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    float acc[4][N] = {};
-    for (int x = 0; x < d; ++x) {
-      const float* kr = kT + x * N;
-      const float q0 = q[(r + 0) * d + x], q1 = q[(r + 1) * d + x], q2 = q[(r + 2) * d + x],
-                  q3 = q[(r + 3) * d + x];
-      for (int c = 0; c < N; ++c) {
-        acc[0][c] += q0 * kr[c];
-        acc[1][c] += q1 * kr[c];
-        acc[2][c] += q2 * kr[c];
-        acc[3][c] += q3 * kr[c];
-      }
-    }
-    for (int i = 0; i < 4; ++i)
-      for (int c = 0; c < N; ++c) s[(r + i) * N + c] = acc[i][c];
-  }
-  for (; r < rows; ++r) {
-    float acc[N] = {};
-    for (int x = 0; x < d; ++x) {
-      const float qx = q[r * d + x];
-      for (int c = 0; c < N; ++c) acc[c] += qx * kT[x * N + c];
-    }
-    for (int c = 0; c < N; ++c) s[r * N + c] = acc[c];
-  }
-}
-
 // acc[i][:w] += pc[i] * a[:w] for the four i, where a zero pc[i] adds exactly 0 even against a NaN
 // in a; `finite` (a's values are finite) allows plain products, which give the same. Inlined into
 // each clone of its callers, so it takes their instruction set.
@@ -826,16 +795,23 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
   for (int64_t x = 0; x < int64_t(p.lk) * Dv; ++x) dv_out[x] = from_float<T>(dv[x]);
 }
 
-// The same backward over the forward's key-tile iterator, as tile products (score_tile, pv_tile,
-// ptv_tile): per 64-row query tile and 64-key tile S = Q K^T, P, dP = dO V^T, dS, then dV += P^T dO,
-// dK += dS^T Q, dQ += dS K. The key tiles of the (batch, kv head) are held transposed (K^T, V^T)
+// The same backward over the forward's key-tile iterator, as TileGemm products (fp32): per 64-row
+// query tile and 64-key tile S = Q K^T, P, dP = dO V^T, dS, then dV += P^T dO, dK += dS^T Q,
+// dQ += dS K (the last three through the guarded pv_tile / ptv_tile where an operand holds NaN/Inf). The key tiles of the (batch, kv head) are held transposed (K^T, V^T)
 // and as rows (K, V); dK and dV accumulate over the group's query heads, in a fixed order.
 struct BwdHeadBuffers {
-  std::vector<float> kf, vf, kT, vT, dk, dv, qf, dof, o, s, dp, dq;
+  std::vector<float> kf, vf, kT, vT, dk, dv, qf, dof, o, s, dp, dq, st;
 };
 
+// t (kBlockN x kBlockM) = the first `rows` rows of x (kBlockM x kBlockN) transposed: the A operand
+// of the key-side products P^T dO and dS^T Q (the products take no transpose flag).
+SA_CPU_CLONES void transpose_tile(const float* x, int rows, float* t) {
+  for (int c = 0; c < kBlockN; ++c)
+    for (int r = 0; r < rows; ++r) t[c * kBlockM + r] = x[r * kBlockN + c];
+}
+
 template <typename T, typename Tiles>
-void attention_bwd_head_tiled(const AttnBwdParams& g, int b, int hk, BwdHeadBuffers& w) {
+void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b, int hk, BwdHeadBuffers& w) {
   const AttnFwdParams& p = g.fwd;
   const int D = p.d, Dv = p.dv, N = kBlockN;
   std::fill(w.kT.begin(), w.kT.end(), 0.f);
@@ -875,8 +851,8 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, int b, int hk, BwdHeadBuff
       for (int it = 0; it < tiles.num_tiles(); ++it) {
         const int nb = tiles.n_block(it), n0 = nb * N, cols = std::min(N, p.lk - n0);
         if (cols <= 0) continue;
-        score_tile(w.qf.data(), &w.kT[int64_t(nb) * D * N], rows, D, w.s.data());
-        score_tile(w.dof.data(), &w.vT[int64_t(nb) * Dv * N], rows, Dv, w.dp.data());
+        gm.f32(rows, N, D, D, N, N, false, w.qf.data(), &w.kT[int64_t(nb) * D * N], w.s.data());
+        gm.f32(rows, N, Dv, Dv, N, N, false, w.dof.data(), &w.vT[int64_t(nb) * Dv * N], w.dp.data());
         const bool need_mask = tiles.tile_needs_mask(it);
         for (int r = 0; r < rows; ++r) {
           float* sr = &w.s[r * N];
@@ -891,9 +867,25 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, int b, int hk, BwdHeadBuff
           for (int c = cols; c < N; ++c) sr[c] = 0.f;
           for (int c = 0; c < N; ++c) dpr[c] = sr[c] != 0.f ? sr[c] * (dpr[c] - delta[r]) : 0.f;  // dS
         }
-        ptv_tile(w.s.data(), w.dof.data(), rows, cols, Dv, &w.dv[int64_t(n0) * Dv], do_finite);
-        ptv_tile(w.dp.data(), w.qf.data(), rows, cols, D, &w.dk[int64_t(n0) * D], q_finite);
-        pv_tile(w.dp.data(), &w.kf[int64_t(n0) * D], rows, cols, D, w.dq.data(), k_finite);
+        // The products where their operands are finite; otherwise the guarded ones, whose zero P
+        // or dS (a hidden key) adds exactly 0 even against a NaN.
+        if (do_finite) {  // dV += P^T dO
+          transpose_tile(w.s.data(), rows, w.st.data());
+          gm.f32(cols, Dv, rows, kBlockM, Dv, Dv, true, w.st.data(), w.dof.data(), &w.dv[int64_t(n0) * Dv]);
+        } else {
+          ptv_tile(w.s.data(), w.dof.data(), rows, cols, Dv, &w.dv[int64_t(n0) * Dv], false);
+        }
+        if (q_finite) {  // dK += dS^T Q
+          transpose_tile(w.dp.data(), rows, w.st.data());
+          gm.f32(cols, D, rows, kBlockM, D, D, true, w.st.data(), w.qf.data(), &w.dk[int64_t(n0) * D]);
+        } else {
+          ptv_tile(w.dp.data(), w.qf.data(), rows, cols, D, &w.dk[int64_t(n0) * D], false);
+        }
+        if (k_finite) {  // dQ += dS K
+          gm.f32(rows, D, cols, N, D, D, true, w.dp.data(), &w.kf[int64_t(n0) * D], w.dq.data());
+        } else {
+          pv_tile(w.dp.data(), &w.kf[int64_t(n0) * D], rows, cols, D, w.dq.data(), false);
+        }
       }
       for (int r = 0; r < rows; ++r) {
         T* dq_out = static_cast<T*>(g.dq) + ((int64_t(b) * p.h + h) * p.lq + m0 + r) * D;
@@ -908,7 +900,7 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, int b, int hk, BwdHeadBuff
 }
 
 template <typename T, typename Tiles>
-void attention_bwd_tiled(const AttnBwdParams& g) {
+void attention_bwd_tiled(const AttnBwdParams& g, const TileGemm& gm) {
   const AttnFwdParams& p = g.fwd;
   const int64_t work = int64_t(p.b) * p.h_kv;
   const int64_t keys = int64_t((p.lk + kBlockN - 1) / kBlockN) * kBlockN;
@@ -927,9 +919,10 @@ void attention_bwd_tiled(const AttnBwdParams& g) {
     w.s.resize(kBlockM * kBlockN);
     w.dp.resize(kBlockM * kBlockN);
     w.dq.resize(kBlockM * p.d);
+    w.st.resize(kBlockN * kBlockM);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t x = 0; x < work; ++x)
-      attention_bwd_head_tiled<T, Tiles>(g, int(x / p.h_kv), int(x % p.h_kv), w);
+      attention_bwd_head_tiled<T, Tiles>(g, gm, int(x / p.h_kv), int(x % p.h_kv), w);
   }
 }
 
@@ -1021,14 +1014,15 @@ void gather_fwd(const AttnFwdParams& p) {
   dispatch_dtype(p.dtype, [&](auto t) { gather_impl<decltype(t)>(p); });
 }
 
-void flash_bwd(const AttnBwdParams& g) {
+void flash_bwd(const AttnBwdParams& g, const TileGemm& gm) {
   dispatch_dtype(g.fwd.dtype,
-                 [&](auto t) { attention_bwd_tiled<decltype(t), WindowTiles<kBlockM, kBlockN>>(g); });
+                 [&](auto t) { attention_bwd_tiled<decltype(t), WindowTiles<kBlockM, kBlockN>>(g, gm); });
 }
 
-void block_sparse_bwd(const AttnBwdParams& g) {
-  dispatch_dtype(g.fwd.dtype,
-                 [&](auto t) { attention_bwd_tiled<decltype(t), BlockSparseTiles<kBlockM, kBlockN>>(g); });
+void block_sparse_bwd(const AttnBwdParams& g, const TileGemm& gm) {
+  dispatch_dtype(g.fwd.dtype, [&](auto t) {
+    attention_bwd_tiled<decltype(t), BlockSparseTiles<kBlockM, kBlockN>>(g, gm);
+  });
 }
 
 void gather_bwd(const AttnBwdParams& g) {

@@ -28,8 +28,8 @@ void topk_select(const TopkSelectParams& params);
 // Backward passes: dQ, dK, dV of flash / block-sparse / gathered attention from the forward's
 // output and LSE (P recomputed from the LSE, as FlashAttention does). One (batch, kv head) per
 // thread, so dK and dV are summed over a GQA group without atomics and bit-identically run to run.
-void flash_bwd(const AttnBwdParams& params);
-void block_sparse_bwd(const AttnBwdParams& params);
+void flash_bwd(const AttnBwdParams& params, const TileGemm& gemm);
+void block_sparse_bwd(const AttnBwdParams& params, const TileGemm& gemm);
 void gather_bwd(const AttnBwdParams& params);
 
 }  // namespace sparse_attn::cpu
