@@ -314,6 +314,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
                          });
                        }),
                    what);
+    } else if (hopper && bp.fwd.b * int64_t(bp.fwd.h) <= 65535) {
+      // The tiles hold scale * dQ in fragment order; one kernel casts them into params.dq.
+      check_launch(run_dq_from_fragments(bp, int(col_blocks), stream), "backward dQ");
     } else if (hopper) {
       // The tiles hold scale * dQ in fragment order: row m * 64 + 16 warp + 8 e_hi + g, column
       // 64 block + 8 j + 2 t + e_lo. One strided copy (with the cast) puts them in place.

@@ -1,6 +1,7 @@
-// The backward's transposed block-sparse lists (key block -> query blocks), built on the GPU
-// without a host synchronisation: a scatter into a zeroed (Bm, Hm, nKb, nQb) matrix, then an
-// in-place compaction of each row in ascending query block.
+// Host-side pieces of the backward that are not templates of a kernel family: the transposed
+// block-sparse lists (key block -> query blocks), built on the GPU without a host synchronisation
+// (a scatter into a zeroed (Bm, Hm, nKb, nQb) matrix, then an in-place compaction of each row in
+// ascending query block), and the Hopper kernel's dQ put in place.
 #include "sparse_attn/cuda/attn_bwd_simt.cuh"
 
 namespace sparse_attn {
@@ -48,8 +49,69 @@ __global__ void compact_q_lists_kernel(int64_t rows, int nqb, int32_t* indices, 
   if (lane == 0) counts[row] = count;
 }
 
+// The Hopper backward's dQ: per (batch * H + head) 64 x 64 fp32 tiles of scale * dQ in wgmma
+// fragment order, flat index ((((j * 4 + warp) * 8 + g) * 4 + t) * 2 + e_hi) * 2 + e_lo for row
+// 16 warp + 8 e_hi + g and column 8 j + 2 t + e_lo of the tile. One CTA per tile reads it as
+// float4s in order (each holding columns c, c + 1 of rows r and r + 8; 256 threads, four each) and writes
+// them as pairs of T into dq (B, H, Lq, D) contiguous, rows past Lq and columns past D dropped. (A strided
+// torch copy of the permuted view ran at 1.3 TB/s.)
+template <typename T, typename T2>
+__global__ void dq_from_fragments_kernel(const float4* __restrict__ frag, T* __restrict__ dq, int lq, int d,
+                                         int nm, int col_blocks) {
+  __shared__ __align__(16) T staged[64][64 + 8];  // the tile in rows (padded: fewer bank conflicts)
+  const int m = blockIdx.x / col_blocks, cb = blockIdx.x % col_blocks;
+  const int64_t bh = blockIdx.y;
+  const float4* tile = frag + ((bh * nm + m) * col_blocks + cb) * 1024;
+  float4 x[4];  // all four loads in flight before the first store
+#pragma unroll
+  for (int u = 0; u < 4; ++u) x[u] = tile[threadIdx.x + 256 * u];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int v = threadIdx.x + 256 * u;
+    const int t = v & 3, g = (v >> 2) & 7, warp = (v >> 5) & 3, j = v >> 7;
+    const int row = 16 * warp + g, col = 8 * j + 2 * t;
+    *reinterpret_cast<T2*>(&staged[row][col]) = T2{from_f32<T>(x[u].x), from_f32<T>(x[u].y)};
+    *reinterpret_cast<T2*>(&staged[row + 8][col]) = T2{from_f32<T>(x[u].z), from_f32<T>(x[u].w)};
+  }
+  __syncthreads();
+  // Rows out in 16-byte pieces: 8 per row, two rows of 64 columns per 16 threads.
+  T* out = dq + bh * int64_t(lq) * d;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int piece = threadIdx.x + 256 * u, r = piece / 8, c = (piece % 8) * 8;
+    const int row = m * 64 + r, col = cb * 64 + c;
+    if (row >= lq || col >= d) continue;
+    if (col + 8 <= d && d % 8 == 0) {
+      *reinterpret_cast<uint4*>(out + int64_t(row) * d + col) =
+          *reinterpret_cast<const uint4*>(&staged[r][c]);
+    } else {
+      for (int e = 0; e < 8 && col + e < d; ++e) out[int64_t(row) * d + col + e] = staged[r][c + e];
+    }
+  }
+}
+
 }  // namespace
 }  // namespace cuda
+
+cudaError_t run_dq_from_fragments(const AttnBwdParams& params, int col_blocks, cudaStream_t stream) {
+  const AttnFwdParams& p = params.fwd;
+  const int nm = params.lq_pad / 64;
+  const int64_t tiles = int64_t(nm) * col_blocks, heads = int64_t(p.b) * p.h;
+  if (tiles == 0 || heads == 0) return cudaSuccess;
+  if (tiles > INT32_MAX || heads > 65535 || p.d % 2 != 0) return cudaErrorInvalidConfiguration;
+  const dim3 grid{unsigned(tiles), unsigned(heads)};
+  const auto* frag = reinterpret_cast<const float4*>(params.dq_accum);
+  if (p.dtype == ScalarKind::kBFloat16) {
+    cuda::dq_from_fragments_kernel<__nv_bfloat16, __nv_bfloat162>
+        <<<grid, 256, 0, stream>>>(frag, static_cast<__nv_bfloat16*>(params.dq), p.lq, p.d, nm, col_blocks);
+  } else if (p.dtype == ScalarKind::kFloat16) {
+    cuda::dq_from_fragments_kernel<__half, __half2>
+        <<<grid, 256, 0, stream>>>(frag, static_cast<__half*>(params.dq), p.lq, p.d, nm, col_blocks);
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t run_build_q_lists(const AttnBwdParams& params, int bm, int hm, int32_t* q_num_blocks,
                               int32_t* q_indices, int32_t* q_partial, cudaStream_t stream) {

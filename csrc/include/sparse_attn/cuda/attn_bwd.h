@@ -34,6 +34,11 @@ cudaError_t run_bwd_preprocess_(const AttnBwdParams& params, cudaStream_t stream
 cudaError_t run_build_q_lists(const AttnBwdParams& params, int bm, int hm, int32_t* q_num_blocks,
                               int32_t* q_indices, int32_t* q_partial, cudaStream_t stream);
 
+// The Hopper backward's dQ tiles (params.dq_accum, fragment order, col_blocks of 64 columns) cast
+// into params.dq (bf16/fp16, (B, H, Lq, D) contiguous, D even); cudaErrorInvalidConfiguration where
+// the grid cannot hold B * H.
+cudaError_t run_dq_from_fragments(const AttnBwdParams& params, int col_blocks, cudaStream_t stream);
+
 // Tensor-core backward (mma.sync, sm_80+), kHeadDim 64 or 128.
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_attn_bwd_(const AttnBwdParams& params, cudaStream_t stream);
