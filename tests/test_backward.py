@@ -123,6 +123,18 @@ def test_block_sparse_gradients(name, dtype, device):
         assert empty.any() and (dq[:, :, empty] == 0).all()
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_sparse_gradients_with_heavy_key_blocks(d, device):
+    # Global tokens: key block 0 is visited by every query block (more than twice the mean), so the
+    # Hopper key-major kernel runs it first over every (batch, kv head) (bwd_tile_of_cta's order).
+    L = 1600
+    q, k, v = make_qkv(2, 4, 2, L, L, d, dtype=torch.bfloat16, seed=d)
+    mask = patterns.longformer(L, 100, [0, 5, 900])
+    on_device = mask.to(device)
+    fn = lambda q_, k_, v_: sparse_attn.block_sparse_attention(q_, k_, v_, on_device, return_lse=True)  # noqa: E731
+    _check("heavy key blocks", fn, lambda: mask.to_dense(), q, k, v, with_lse=True, device=device)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("indexer", [False, True])
 def test_topk_gradients_given_the_selection(indexer, dtype, device):

@@ -274,6 +274,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     // (Deterministic mode: the key-major kernel computes dK and dV only, attn_bwd_dq.cuh dQ.)
     const bool hopper = dev.cc == 90 && dev.sm90_kernels && dev.tma && !plan_options().portable_only &&
                         (variant == Variant::kWindow || bp.fwd.kv_block == 128);
+    if (!hopper) {  // the portable kernel's 64-key tiles are not the mask's key blocks
+      bp.kv_block_order = nullptr;
+      bp.kv_heavy = nullptr;
+    }
     // dQ in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the wgmma
     // fragments in order (j, warp, g, t, e), undone below; the portable kernel's dQ / scale as
     // (B, H, Lq, D).
@@ -402,6 +406,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_bwd_cuda(
   bp.q_partial = q_part.data_ptr<int32_t>();
   bp.qt_batch_stride = bm == 1 ? 0 : hm * nkb;
   bp.qt_head_stride = hm == 1 ? 0 : nkb;
+  // The key-major kernel's CTA order: key blocks visited by more than twice the mean number of
+  // query blocks first (bwd_tile_of_cta), computed on the GPU (no synchronisation).
+  at::Tensor order;
+  if (q_num.numel() > 0) {
+    order = at::empty({2 * nkb + 1}, i32);  // order, scratch, heavy count
+    int32_t* base = order.data_ptr<int32_t>();
+    const c10::cuda::CUDAGuard guard(query.device());
+    check_launch(run_build_kv_order(q_num.data_ptr<int32_t>(), bm * hm, int(nkb), base, base + 2 * nkb,
+                                    base + nkb, c10::cuda::getCurrentCUDAStream()),
+                 "block_sparse_bwd (CTA order)");
+    bp.kv_block_order = base;
+    bp.kv_heavy = base + 2 * nkb;
+  }
   return run_bwd(c, Variant::kBlockSparse, false, "block_sparse_bwd");
 }
 

@@ -1,7 +1,8 @@
 // Host-side pieces of the backward that are not templates of a kernel family: the transposed
 // block-sparse lists (key block -> query blocks), built on the GPU without a host synchronisation
 // (a scatter into a zeroed (Bm, Hm, nKb, nQb) matrix, then an in-place compaction of each row in
-// ascending query block), and the Hopper kernel's dQ put in place.
+// ascending query block), the key-major kernels' CTA order from them, and the Hopper kernel's dQ
+// put in place.
 #include "sparse_attn/cuda/attn_bwd_simt.cuh"
 
 namespace sparse_attn {
@@ -90,8 +91,78 @@ __global__ void dq_from_fragments_kernel(const float4* __restrict__ frag, T* __r
   }
 }
 
+// The key-major kernels' CTA order (bwd_tile_of_cta): one CTA of 256 threads. visits[kb] = the
+// most query blocks any (bm, hm) lists for key block kb; the key blocks visited more than twice the
+// mean go first, in ascending order, then the others, in ascending order; *heavy = how many went
+// first. scratch: nKb ints (the visits).
+__global__ void __launch_bounds__(1024)
+    build_kv_order_kernel(const int32_t* __restrict__ q_num, int64_t heads, int nkb,
+                          int32_t* __restrict__ order, int32_t* __restrict__ heavy,
+                          int32_t* __restrict__ visits) {
+  __shared__ int64_t warp_sums[32];
+  __shared__ int warp_counts[32];
+  __shared__ int running[2];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  int64_t total = 0;
+  for (int kb = tid; kb < nkb; kb += blockDim.x) {
+    int v = 0;
+    for (int64_t hd = 0; hd < heads; ++hd) v = max(v, q_num[hd * nkb + kb]);
+    visits[kb] = v;
+    total += v;
+  }
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+  if (lane == 0) warp_sums[warp] = total;
+  if (tid < 2) running[tid] = 0;
+  __syncthreads();
+  if (tid == 0) {
+    int64_t sum = 0;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) sum += warp_sums[w];
+    warp_sums[0] = 2 * sum;  // heavy: visits * nkb > 2 * sum (twice the mean, in integers)
+  }
+  __syncthreads();
+  const int64_t twice = warp_sums[0];
+  int n_heavy = 0;
+  for (int base = 0; base < nkb; base += blockDim.x) {
+    const int kb = base + tid;
+    n_heavy += __syncthreads_count(kb < nkb && int64_t(visits[kb]) * nkb > twice);
+  }
+  // Stable partition, chunk by chunk: a warp's prefix by ballot, the warps' by shared memory.
+  for (int base = 0; base < nkb; base += blockDim.x) {
+    const int kb = base + tid;
+    const bool live = kb < nkb;
+    const bool h = live && int64_t(visits[kb]) * nkb > twice;
+    const unsigned hb = __ballot_sync(0xffffffffu, h), lb = __ballot_sync(0xffffffffu, live && !h);
+    const unsigned below = (1u << lane) - 1u;
+    if (lane == 0) warp_counts[warp] = __popc(hb) | (__popc(lb) << 16);
+    __syncthreads();
+    int before_h = running[0], before_l = running[1];
+    for (int w = 0; w < warp; ++w) {
+      before_h += warp_counts[w] & 0xffff;
+      before_l += warp_counts[w] >> 16;
+    }
+    if (h) order[before_h + __popc(hb & below)] = kb;
+    if (live && !h) order[n_heavy + before_l + __popc(lb & below)] = kb;
+    __syncthreads();
+    if (tid == 0) {
+      for (int w = 0; w < int(blockDim.x / 32); ++w) {
+        running[0] += warp_counts[w] & 0xffff;
+        running[1] += warp_counts[w] >> 16;
+      }
+    }
+    __syncthreads();
+  }
+  if (tid == 0) *heavy = n_heavy;
+}
+
 }  // namespace
 }  // namespace cuda
+
+cudaError_t run_build_kv_order(const int32_t* q_num_blocks, int64_t heads, int nkb, int32_t* order,
+                               int32_t* heavy, int32_t* scratch, cudaStream_t stream) {
+  if (nkb == 0) return cudaSuccess;
+  cuda::build_kv_order_kernel<<<1, 256, 0, stream>>>(q_num_blocks, heads, nkb, order, heavy, scratch);
+  return cudaGetLastError();
+}
 
 cudaError_t run_dq_from_fragments(const AttnBwdParams& params, int col_blocks, cudaStream_t stream) {
   const AttnFwdParams& p = params.fwd;

@@ -108,6 +108,11 @@ struct AttnBwdParams {
   const int32_t* __restrict__ q_indices;     // (Bm, Hm, nKb, nQb)
   const int32_t* __restrict__ q_partial;     // (Bm, Hm, nKb, nQb)
   int64_t qt_batch_stride, qt_head_stride;   // strides of q_num_blocks over (Bm, Hm), 0 where broadcast
+  // Block-sparse: the key-major kernels' CTA order (bwd_tile_of_cta). A permutation of the nKb key
+  // blocks whose first *kv_heavy entries (the blocks far more query blocks visit than the mean, e.g.
+  // global tokens' keys) run first over every (batch, kv head); nullptr: the grid's order.
+  const int32_t* __restrict__ kv_block_order;  // (nKb)
+  const int32_t* __restrict__ kv_heavy;        // (1)
 };
 
 // Parameters of top-k selection (exact per-head scores, or the lightning indexer).
@@ -161,7 +166,7 @@ struct DecodeParams {
   const int32_t* __restrict__ block_table;  // (B, max_pages), int32; nullptr = contiguous
   int64_t bt_batch_stride;
   int num_pages, page_size;
-  int capacity;                                // tokens a sequence's cache holds
+  int capacity;                               // tokens a sequence's cache holds
   const int32_t* __restrict__ cache_seqlens;  // (B,), int32: tokens cached before this call
   // Optional new keys / values (B, Hkv, Lq, D), written at cache_seqlens[b] + i before attending
   // (rows that fall outside the cache are dropped; the op's checks refuse them beforehand).
@@ -169,7 +174,7 @@ struct DecodeParams {
   const void* __restrict__ v_new;
   int64_t kn_batch_stride, kn_head_stride, kn_row_stride;
   int64_t vn_batch_stride, vn_head_stride, vn_row_stride;
-  void* __restrict__ o;     // (B, H, Lq, Dv), dtype
+  void* __restrict__ o;  // (B, H, Lq, Dv), dtype
   int64_t o_batch_stride, o_head_stride, o_row_stride;
   float* __restrict__ lse;  // (B, H, Lq), fp32, contiguous
   // Split-KV: with num_splits > 1 each split writes its normalised O and LSE here, fp32,

@@ -143,7 +143,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 256 / Tr::kNThreads)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4, r8 = lane % 8;
-  const int n_block = blockIdx.x, b = blockIdx.y / p.h_kv, hk = blockIdx.y % p.h_kv;
+  int n_block, by;
+  bwd_tile_of_cta(bp, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, n_block, by);
+  const int b = by / p.h_kv, hk = by % p.h_kv;
   const int n0 = n_block * kBlockN;
   const Element* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const Element* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;

@@ -34,6 +34,12 @@ cudaError_t run_bwd_preprocess_(const AttnBwdParams& params, cudaStream_t stream
 cudaError_t run_build_q_lists(const AttnBwdParams& params, int bm, int hm, int32_t* q_num_blocks,
                               int32_t* q_indices, int32_t* q_partial, cudaStream_t stream);
 
+// The key-major kernels' CTA order (params.kv_block_order, params.kv_heavy; bwd_tile_of_cta) from
+// the transposed lists' counts q_num_blocks ((heads = Bm * Hm) x nKb): the key blocks visited more
+// than twice the mean first. scratch: nKb ints. One CTA, no host synchronisation.
+cudaError_t run_build_kv_order(const int32_t* q_num_blocks, int64_t heads, int nkb, int32_t* order,
+                               int32_t* heavy, int32_t* scratch, cudaStream_t stream);
+
 // The Hopper backward's dQ tiles (params.dq_accum, fragment order, col_blocks of 64 columns) cast
 // into params.dq (bf16/fp16, (B, H, Lq, D) contiguous, D even); cudaErrorInvalidConfiguration where
 // the grid cannot hold B * H.

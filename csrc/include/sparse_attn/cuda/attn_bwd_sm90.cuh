@@ -89,7 +89,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   __shared__ alignas(8) uint64_t barriers[1 + 2 * kStages];
   const uint32_t bar_kv = smem_u32(barriers), bar_full = bar_kv + 8, bar_empty = bar_full + 8 * kStages;
 
-  const int n_block = blockIdx.x, b = blockIdx.y / p.h_kv, hk = blockIdx.y % p.h_kv;
+  int n_block, by;
+  bwd_tile_of_cta(bp, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, n_block, by);
+  const int b = by / p.h_kv, hk = by % p.h_kv;
   const int n0 = n_block * kBlockN;
   const typename Tr::QTiles tiles(bp, b, hk, n_block);
   QTilePos first;
