@@ -797,8 +797,9 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
 
 // The same backward over the forward's key-tile iterator, as TileGemm products (fp32): per 64-row
 // query tile and 64-key tile S = Q K^T, P, dP = dO V^T, dS, then dV += P^T dO, dK += dS^T Q,
-// dQ += dS K (the last three through the guarded pv_tile / ptv_tile where an operand holds NaN/Inf). The key tiles of the (batch, kv head) are held transposed (K^T, V^T)
-// and as rows (K, V); dK and dV accumulate over the group's query heads, in a fixed order.
+// dQ += dS K (the last three through the guarded pv_tile / ptv_tile where an operand holds NaN or
+// Inf). The key tiles of the (batch, kv head) are held transposed (K^T, V^T) and as rows (K, V);
+// dK and dV accumulate over the group's query heads, in a fixed order.
 struct BwdHeadBuffers {
   std::vector<float> kf, vf, kT, vT, dk, dv, qf, dof, o, s, dp, dq, st;
 };
