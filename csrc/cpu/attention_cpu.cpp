@@ -234,12 +234,16 @@ void finalize_row(const AttnFwdParams& p, int b, int h, int64_t i, const float* 
 constexpr int kGroup = 8;
 constexpr int kGroupN = kGroup * kBlockN;
 
-// K transposed per tile: D x kBlockN, slot after slot. V: column chunk x0 (width w, 64 for the
-// packed bf16 operand, Dv for fp32) of every slot's kBlockN rows, slot after slot, so that the
-// rows of consecutive tiles are one operand.
+// K transposed: fp32, per tile (D x kBlockN, slot after slot); bf16, one VNNI operand for all the
+// slots (D / 2 rows of k_ld = slots x kBlockN pairs), so that consecutive tiles' keys are one
+// operand's columns. V: column chunk x0 (width w, 64 for the bf16 operand, Dv for fp32) of every
+// slot's kBlockN rows, slot after slot, so that the rows of consecutive tiles are one operand.
 struct KVCacheLayout {
   int64_t k_elems, v_elems;  // per slot
   int slots, chunk;
+  bool k_wide;  // the bf16 layout of K^T
+  int k_ld() const { return k_wide ? slots * kBlockN : kBlockN; }
+  int64_t k_offset(int slot) const { return k_wide ? 2 * int64_t(slot) * kBlockN : slot * k_elems; }
   int64_t v_offset(int slot, int x0) const {
     const int w = std::min(chunk, int(v_elems / kBlockN) - x0);
     return int64_t(x0) * slots * kBlockN + int64_t(slot) * kBlockN * w;
@@ -264,8 +268,8 @@ bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float
 }
 
 // The same for the bf16 products, written straight into their operand layout (TileGemm::bf16):
-// K^T (D x kBlockN) as [D / 2][kBlockN] words, the word of key n holding its features 2i and
-// 2i + 1; V in column chunks of kv.chunk, keys paired the same way. Missing keys are zero. Rows
+// K^T (D x kBlockN) as words at kt[i * kv.k_ld() + n], the word of key n holding its features 2i
+// and 2i + 1; V in column chunks of kv.chunk, keys paired the same way. Missing keys are zero. Rows
 // k + n * k_stride and v + n * v_stride for n < cols; one vectorised function (the callers are
 // templates, which cannot be multiversioned).
 SA_CPU_CLONES bool pack_kv_bf16(const bf16_t* k, int64_t k_stride, const bf16_t* v, int64_t v_stride,
@@ -273,11 +277,12 @@ SA_CPU_CLONES bool pack_kv_bf16(const bf16_t* k, int64_t k_stride, const bf16_t*
                                 int slot) {
   constexpr int N = kBlockN;
   uint32_t* kw = reinterpret_cast<uint32_t*>(kt);
+  const int64_t ld = kv.k_ld();
   for (int i = 0; i < D / 2; ++i)
     for (int c = 0; c < N; ++c) {
       uint32_t word = 0;
       if (c < cols) std::memcpy(&word, k + c * k_stride + 2 * i, sizeof(word));
-      kw[i * N + c] = word;
+      kw[i * ld + c] = word;
     }
   int bad = 0;  // a NaN or Inf among the values
   for (int x0 = 0; x0 < Dv; x0 += kv.chunk) {
@@ -495,7 +500,7 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   const int D = p.d, Dv = p.dv;
   const int num_n = (p.lk + N - 1) / N;
   constexpr int64_t kKVCacheBytes = int64_t(256) << 20;
-  KVCacheLayout kv{int64_t(D) * N, int64_t(N) * Dv, 1, kAmx ? 64 : Dv};
+  KVCacheLayout kv{int64_t(D) * N, int64_t(N) * Dv, 1, kAmx ? 64 : Dv, kAmx};
   const bool cache = int64_t(num_n) * (kv.k_elems + kv.v_elems) * int64_t(sizeof(Op)) <= kKVCacheBytes;
   if (cache) kv.slots = num_n;
   const int group = cache ? kGroup : 1;
@@ -567,7 +572,7 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
           const int slot = cache ? nb : 0;
           if (!cache || !ready[slot]) {
             finite[slot] =
-                load_kv_tile<T>(p, b, hk, n0, cols, kf.data(), &kc[slot * kv.k_elems], vc.data(), kv, slot);
+                load_kv_tile<T>(p, b, hk, n0, cols, kf.data(), &kc[kv.k_offset(slot)], vc.data(), kv, slot);
             ready[slot] = 1;
           }
           group_finite &= finite[slot] != 0;
@@ -575,11 +580,13 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
           const bool need_mask = tiles.tile_needs_mask(t);
           for (int r = 0; r < rows; ++r)
             visible[r * kGroup + col] = need_mask ? tiles.visible_bits(t, m0 + r) & in_range : in_range;
-          if constexpr (kAmx) {
-            g.bf16(rows, N, D, lda, N, kGroupN, false, qa, &kc[slot * kv.k_elems], &s[col * N]);
-          } else {
-            g.f32(rows, N, D, lda, N, kGroupN, false, qa, &kc[slot * kv.k_elems], &s[col * N]);
-          }
+          if constexpr (!kAmx)
+            g.f32(rows, N, D, lda, N, kGroupN, false, qa, &kc[kv.k_offset(slot)], &s[col * N]);
+        }
+        if constexpr (kAmx) {  // the group's keys are one operand: one product (64 x 512 runs faster than 8
+                               // of 64)
+          const int slot0 = cache ? lo : 0;
+          g.bf16(rows, n * N, D, lda, kv.k_ld(), kGroupN, false, qa, &kc[kv.k_offset(slot0)], s.data());
         }
         bf16_t* p16 = nullptr;  // P as the bf16 product's operand
         if constexpr (kAmx) p16 = group_finite ? pc.data() : nullptr;

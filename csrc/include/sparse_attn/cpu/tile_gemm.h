@@ -13,7 +13,7 @@ struct TileGemm {
   void (*f32)(int m, int n, int k, int64_t lda, int ldb, int ldc, bool add, const float* a, const float* b,
               float* c);
   // The same with bf16 a, and b in pairs of rows (VNNI): element (i, j) of b at
-  // b[(i / 2) * 2 * ldb + 2 * j + i % 2], k even; n a multiple of 16, at most 64; fp32 c. Null
+  // b[(i / 2) * 2 * ldb + 2 * j + i % 2], k even; n a multiple of 16; fp32 c. Null
   // where the CPU has no bf16 matrix instructions: bf16 then runs through f32.
   void (*bf16)(int m, int n, int k, int64_t lda, int ldb, int ldc, bool add, const bf16_t* a, const bf16_t* b,
                float* c);
