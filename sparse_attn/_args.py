@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from .masks import BlockSparseMask
+from .masks import _FULL, _NONE, BlockSparseMask, pack_bits
 
 _ops = torch.ops.sparse_attn
 
@@ -163,3 +163,41 @@ def with_causal(mask: BlockSparseMask) -> BlockSparseMask:
     if not torch.compiler.is_compiling():
         mask._causal = combined
     return combined
+
+
+def key_length_mask(
+    key_lengths, query: torch.Tensor, key: torch.Tensor, block_size: tuple[int, int]
+) -> BlockSparseMask:
+    """(B, 1, nQb, nKb) mask hiding key j of batch b iff j >= key_lengths[b], for (Lq, Lk) on the
+    query's device: the blocks below a length full, the one it cuts partial, none after; built
+    from torch operations (no host synchronisation). A CPU tensor is checked (values in [0, Lk]);
+    a device tensor is clamped to [0, Lk] instead of read back."""
+    check_4d(query=query, key=key)
+    if not isinstance(key_lengths, torch.Tensor) or key_lengths.dim() != 1:
+        raise TypeError(f"key_lengths must be a 1-D integer tensor (B,), got {type(key_lengths).__name__}")
+    if key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool or key_lengths.is_complex():
+        raise TypeError(f"key_lengths must hold integers, got {key_lengths.dtype}")
+    b, lq, lk = query.shape[0], query.shape[-2], key.shape[-2]
+    if key_lengths.shape[0] != b:
+        raise ValueError(f"key_lengths must have one entry per batch element ({b}), got {key_lengths.shape[0]}")
+    if (
+        key_lengths.device.type == "cpu"
+        and key_lengths.numel()
+        and not (int(key_lengths.min()) >= 0 and int(key_lengths.max()) <= lk)
+    ):
+        raise ValueError(
+            f"key_lengths must lie in [0, Lk={lk}], got values in [{int(key_lengths.min())}, {int(key_lengths.max())}]"
+        )
+    dev = query.device
+    bq, bk = block_size
+    nq, nk = math.ceil(lq / bq), math.ceil(lk / bk)
+    lens = key_lengths.to(dev, torch.int64).clamp(0, lk)[:, None]  # (B, 1)
+    kb = torch.arange(nk, device=dev)
+    end = ((kb + 1) * bk).clamp(max=lk)
+    full = end <= lens
+    partial = (kb * bk < lens) & ~full
+    row = torch.where(full, _FULL, torch.where(partial, torch.arange(b, device=dev)[:, None], _NONE))
+    table = row.to(torch.int32)[:, None, None, :].expand(b, 1, nq, nk).contiguous()
+    cols = (lens % bk)[:, :, None] > torch.arange(bk, device=dev)  # (B, 1, KB): the cut block's keys
+    bits = pack_bits(cols.expand(b, bq, bk).contiguous())
+    return BlockSparseMask._from_table(table, bits, (lq, lk), block_size, max_kv_blocks=nk, compact=False)

@@ -90,6 +90,7 @@ def flash_attention(
     window: int | tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    key_lengths: torch.Tensor | None = None,
 ):
     """Tiled, fused attention with an online softmax (FlashAttention-style).
 
@@ -112,6 +113,12 @@ def flash_attention(
         Softmax scale, default ``1 / sqrt(D)``.
     return_lse : bool
         Also return the log-sum-exp, fp32 (B, H, Lq).
+    key_lengths : Tensor, optional
+        (B,) integers: key j of batch element b is hidden iff ``j >= key_lengths[b]`` (right-padded
+        keys), on top of ``causal`` and ``window``, whose alignment stays that of the tensors' Lq
+        and Lk. Runs as ``block_sparse_attention`` with the mask of the lengths (no host
+        synchronisation; a window with Lq > Lk is not supported here). Values past Lk act as Lk
+        on a GPU tensor (a CPU tensor is checked).
 
     Returns
     -------
@@ -126,8 +133,24 @@ def flash_attention(
     (torch.Size([2, 8, 128, 64]), torch.Size([2, 8, 128]))
     """
     left, right = _args.window_bounds(window)
+    if key_lengths is not None:
+        mask = _args.key_length_mask(key_lengths, query, key, (128, 128))
+        if left >= 0 or right >= 0:
+            mask = mask & _window_band(query.shape[-2], key.shape[-2], left, right, query.device)
+        return block_sparse_attention(query, key, value, mask, causal=causal, scale=scale, return_lse=return_lse)
     out, lse = _routes.flash(query, key, value, _args.scale(scale), bool(causal), left, right)
     return _result(out, lse, None, return_lse)
+
+
+def _window_band(lq: int, lk: int, left: int, right: int, device):
+    """flash_attention's window (bounds -1 = unbounded) for (Lq, Lk) as a mask, Lq <= Lk."""
+    from ._mask_compiler import Interval, compile_mask
+
+    if lq > lk:
+        raise NotImplementedError("flash_attention with key_lengths and a window needs Lq <= Lk")
+    off = lk - lq  # i + off - left <= j <= i + off + right  <=>  -right - off <= i - j <= left - off
+    lo = -(lk + lq) if right < 0 else -right - off
+    return compile_mask(Interval(lo, None if left < 0 else left - off), (lq, lk), (128, 128), device)
 
 
 def block_sparse_attention(
@@ -139,6 +162,7 @@ def block_sparse_attention(
     causal: bool = False,
     scale: float | None = None,
     return_lse: bool = False,
+    key_lengths: torch.Tensor | None = None,
 ):
     """Attention restricted to the (query block, key block) pairs of a block-sparse mask.
 
@@ -164,6 +188,9 @@ def block_sparse_attention(
         Softmax scale, default ``1 / sqrt(D)``.
     return_lse : bool
         Also return the log-sum-exp, fp32 (B, H, Lq).
+    key_lengths : Tensor, optional
+        (B,) integers: key j of batch element b is also hidden iff ``j >= key_lengths[b]``
+        (the mask intersected with the lengths' block mask; see :func:`flash_attention`).
 
     Examples
     --------
@@ -175,6 +202,8 @@ def block_sparse_attention(
     torch.Size([1, 2, 512, 64])
     """
     m = _args.block_sparse_mask(mask, query, key)
+    if key_lengths is not None:
+        m = m & _args.key_length_mask(key_lengths, query, key, m.block_size)
     scale = _args.scale(scale)
     route = _plan.block_sparse_route(m, key, value, bool(causal))
     if route.kind == "block_kernel" and causal:
