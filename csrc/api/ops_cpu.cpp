@@ -116,7 +116,7 @@ at::Tensor topk_select_cpu(const at::Tensor& query, const at::Tensor& key, int64
   TopkSelectParams params;
   at::Tensor out = set_params_select(params, query, key, k, causal);
   check_cpu(query);
-  if (out.numel() > 0) cpu::topk_select(params);
+  if (out.numel() > 0) cpu::topk_select(params, tile_gemm());
   return out;
 }
 
@@ -125,7 +125,7 @@ at::Tensor indexer_select_cpu(const at::Tensor& index_query, const at::Tensor& i
   TopkSelectParams params;
   at::Tensor out = set_params_indexer(params, index_query, index_key, index_weights, k, causal);
   check_cpu(index_query);
-  if (out.numel() > 0) cpu::topk_select(params);
+  if (out.numel() > 0) cpu::topk_select(params, tile_gemm());
   return out;
 }
 

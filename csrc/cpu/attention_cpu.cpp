@@ -12,6 +12,7 @@
 #endif
 #include <omp.h>
 
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -948,57 +949,102 @@ void attention_bwd(const AttnBwdParams& g, const Keys& keys) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Selection: scores of one query row against its visible keys, then the top k by
-// (score desc, index asc), written ascending by index. Memory: O(Lk) per thread.
+// Selection: scores of each query row against its visible keys, then the top k by (score desc,
+// index asc), written ascending by index.
+//
+// The top k of one row's scores s[0, nv) (score desc, index asc; NaN as +inf), ascending, -1 padded
+// to p.topk, into out.
+inline void select_row(const TopkSelectParams& p, const float* s, int64_t nv, std::vector<float>& keys,
+                       int32_t* out) {
+  const int kk = int(std::min<int64_t>(p.topk, nv));
+  int n = 0;
+  if (kk > 0) {
+    // The k-th largest key (nth_element on the values themselves), then one pass in index order:
+    // every key above it, and as many equal to it as k leaves room for, the lower indices first.
+    for (int64_t t = 0; t < nv; ++t) keys[t] = rank_key(s[t]);
+    std::nth_element(keys.begin(), keys.begin() + (kk - 1), keys.begin() + nv, std::greater<float>());
+    const float kth = keys[kk - 1];
+    int above = 0;
+    for (int64_t t = 0; t < nv; ++t) above += rank_key(s[t]) > kth;
+    int ties = kk - above;
+    for (int64_t t = 0; t < nv && n < kk; ++t) {
+      const float x = rank_key(s[t]);
+      if (x > kth || (x == kth && ties-- > 0)) out[n++] = int32_t(t);
+    }
+  }
+  std::fill(out + n, out + p.topk, -1);
+}
+
+// Exact mode: per (batch, head, tile of kSelRows query rows) the scores Q K^T of the keys the tile's
+// last row sees, as TileGemm products against K^T (fp32, D x Lk, converted once per (batch, kv
+// head) and thread), then each row's selection. Memory: O(kSelRows x Lk + D x Lk) per thread.
+constexpr int kSelRows = 32;
+
 template <typename T>
-void select_impl(const TopkSelectParams& p) {
-  const int64_t rows = int64_t(p.b) * p.h_sel * p.lq;
+void select_exact(const TopkSelectParams& p, const TileGemm& g) {
+  const int num_m = (p.lq + kSelRows - 1) / kSelRows;
+  const int64_t work = int64_t(p.b) * p.h_sel * num_m;
+  const int D = p.d;
+  const int64_t ldk = (int64_t(p.lk) + 15) / 16 * 16;
 #pragma omp parallel
   {
-    std::vector<float> qf(p.indexer ? int64_t(p.hi) * p.di : p.d), wf(p.indexer ? p.hi : 0),
-        kf(p.indexer ? p.di : p.d), s(p.lk);
-    std::vector<int32_t> order(p.lk);
+    std::vector<float> qf(kSelRows * D), kT(D * ldk), s(kSelRows * ldk), keys(p.lk);
+    int64_t cached = -1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < work; ++w) {
+      const int mb = int(w % num_m), hs = int((w / num_m) % p.h_sel), b = int(w / (int64_t(num_m) * p.h_sel));
+      const int hk = hs / p.h_per_kv, i0 = mb * kSelRows, rows = std::min(kSelRows, p.lq - i0);
+      const T* kb = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+      if (int64_t(b) * p.h_kv + hk != cached) {
+        cached = int64_t(b) * p.h_kv + hk;
+        for (int x = 0; x < D; ++x)
+          for (int64_t t = 0; t < p.lk; ++t) kT[x * ldk + t] = to_float(kb[t * p.k_row_stride + x]);
+      }
+      for (int r = 0; r < rows; ++r)
+        load_row(static_cast<const T*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride +
+                     int64_t(i0 + r) * p.q_row_stride,
+                 D, &qf[r * D]);
+      int64_t nv_max = p.lk;
+      if (p.causal) nv_max = std::clamp<int64_t>(int64_t(i0 + rows - 1) + p.kv_offset + 1, 0, p.lk);
+      for (int64_t c0 = 0; c0 < nv_max; c0 += 512) {
+        const int n = int(std::min<int64_t>(512, nv_max - c0));
+        g.f32(rows, n, D, D, int(ldk), int(ldk), false, qf.data(), &kT[c0], &s[c0]);
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int i = i0 + r;
+        int64_t nv = p.lk;
+        if (p.causal) nv = std::clamp<int64_t>(int64_t(i) + p.kv_offset + 1, 0, p.lk);
+        const int64_t row = (int64_t(b) * p.h_sel + hs) * p.lq + i;
+        select_row(p, &s[r * ldk], nv, keys, p.out + row * p.topk);
+      }
+    }
+  }
+}
+
+// Indexer mode (one index set per token): score(t, s) = sum_j w[t, j] * relu(qi[t, j] . ki[s]).
+template <typename T>
+void select_indexer(const TopkSelectParams& p) {
+  const int64_t rows = int64_t(p.b) * p.lq;
+#pragma omp parallel
+  {
+    std::vector<float> qf(int64_t(p.hi) * p.di), wf(p.hi), kf(p.di), s(p.lk), keys(p.lk);
 #pragma omp for schedule(dynamic, 16)
     for (int64_t w = 0; w < rows; ++w) {
-      const int i = int(w % p.lq), hs = int((w / p.lq) % p.h_sel), b = int(w / (int64_t(p.lq) * p.h_sel));
+      const int i = int(w % p.lq), b = int(w / p.lq);
       int64_t nv = p.lk;
       if (p.causal) nv = std::clamp<int64_t>(int64_t(i) + p.kv_offset + 1, 0, p.lk);
-      if (p.indexer) {
-        const T* iq = static_cast<const T*>(p.iq) + b * p.iq_batch_stride + int64_t(i) * p.iq_row_stride;
-        const T* iw = static_cast<const T*>(p.iw) + b * p.iw_batch_stride + int64_t(i) * p.iw_row_stride;
-        for (int j = 0; j < p.hi; ++j) load_row(iq + j * p.iq_head_stride, p.di, &qf[int64_t(j) * p.di]);
-        load_row(iw, p.hi, wf.data());
-        for (int64_t t = 0; t < nv; ++t) {
-          load_row(static_cast<const T*>(p.ik) + b * p.ik_batch_stride + t * p.ik_row_stride, p.di,
-                   kf.data());
-          float x = 0.f;
-          for (int j = 0; j < p.hi; ++j)
-            x += wf[j] * std::max(dot(&qf[int64_t(j) * p.di], kf.data(), p.di), 0.f);
-          s[t] = x;
-        }
-      } else {
-        const int hk = hs / p.h_per_kv;
-        load_row(static_cast<const T*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride +
-                     int64_t(i) * p.q_row_stride,
-                 p.d, qf.data());
-        for (int64_t t = 0; t < nv; ++t) {
-          load_row(
-              static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + t * p.k_row_stride,
-              p.d, kf.data());
-          s[t] = dot(qf.data(), kf.data(), p.d);
-        }
+      const T* iq = static_cast<const T*>(p.iq) + b * p.iq_batch_stride + int64_t(i) * p.iq_row_stride;
+      const T* iw = static_cast<const T*>(p.iw) + b * p.iw_batch_stride + int64_t(i) * p.iw_row_stride;
+      for (int j = 0; j < p.hi; ++j) load_row(iq + j * p.iq_head_stride, p.di, &qf[int64_t(j) * p.di]);
+      load_row(iw, p.hi, wf.data());
+      for (int64_t t = 0; t < nv; ++t) {
+        load_row(static_cast<const T*>(p.ik) + b * p.ik_batch_stride + t * p.ik_row_stride, p.di, kf.data());
+        float x = 0.f;
+        for (int j = 0; j < p.hi; ++j)
+          x += wf[j] * std::max(dot(&qf[int64_t(j) * p.di], kf.data(), p.di), 0.f);
+        s[t] = x;
       }
-      const int kk = int(std::min<int64_t>(p.topk, nv));
-      std::iota(order.begin(), order.begin() + nv, 0);
-      auto before = [&](int32_t a, int32_t c) {
-        const float ka = rank_key(s[a]), kc = rank_key(s[c]);
-        return ka > kc || (ka == kc && a < c);
-      };
-      if (kk < nv) std::nth_element(order.begin(), order.begin() + kk, order.begin() + nv, before);
-      std::sort(order.begin(), order.begin() + kk);
-      int32_t* out = p.out + w * p.topk;
-      std::copy(order.begin(), order.begin() + kk, out);
-      std::fill(out + kk, out + p.topk, -1);
+      select_row(p, s.data(), nv, keys, p.out + w * p.topk);
     }
   }
 }
@@ -1044,8 +1090,13 @@ void gather_bwd(const AttnBwdParams& g) {
   dispatch_dtype(p.dtype, [&](auto t) { attention_bwd<decltype(t)>(g, listed); });
 }
 
-void topk_select(const TopkSelectParams& p) {
-  dispatch_dtype(p.dtype, [&](auto t) { select_impl<decltype(t)>(p); });
+void topk_select(const TopkSelectParams& p, const TileGemm& g) {
+  dispatch_dtype(p.dtype, [&](auto t) {
+    if (p.indexer)
+      select_indexer<decltype(t)>(p);
+    else
+      select_exact<decltype(t)>(p, g);
+  });
 }
 
 }  // namespace sparse_attn::cpu

@@ -23,7 +23,7 @@ void block_sparse_fwd(const AttnFwdParams& params, const TileGemm& gemm);
 // Attention of each query over the keys params.indices lists for it (-1 = none).
 void gather_fwd(const AttnFwdParams& params);
 // The topk largest-scoring visible keys of each query (ties: lower index), ascending, -1 padded.
-void topk_select(const TopkSelectParams& params);
+void topk_select(const TopkSelectParams& params, const TileGemm& gemm);
 
 // Backward passes: dQ, dK, dV of flash / block-sparse / gathered attention from the forward's
 // output and LSE (P recomputed from the LSE, as FlashAttention does). One (batch, kv head) per
