@@ -165,6 +165,23 @@ def with_causal(mask: BlockSparseMask) -> BlockSparseMask:
     return combined
 
 
+def key_lengths_on(key_lengths, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """key_lengths checked (a 1-D integer tensor, one per batch element; a CPU tensor's values in
+    [0, Lk]) as int64 on the query's device, clamped to [0, Lk]."""
+    if not isinstance(key_lengths, torch.Tensor) or key_lengths.dim() != 1:
+        raise TypeError(f"key_lengths must be a 1-D integer tensor (B,), got {type(key_lengths).__name__}")
+    if key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool or key_lengths.is_complex():
+        raise TypeError(f"key_lengths must hold integers, got {key_lengths.dtype}")
+    b, lk = query.shape[0], key.shape[-2]
+    if key_lengths.shape[0] != b:
+        raise ValueError(f"key_lengths must have one entry per batch element ({b}), got {key_lengths.shape[0]}")
+    if key_lengths.device.type == "cpu" and key_lengths.numel():
+        lo, hi = int(key_lengths.min()), int(key_lengths.max())
+        if lo < 0 or hi > lk:
+            raise ValueError(f"key_lengths must lie in [0, Lk={lk}], got values in [{lo}, {hi}]")
+    return key_lengths.to(query.device, torch.int64).clamp(0, lk)
+
+
 def key_length_mask(
     key_lengths, query: torch.Tensor, key: torch.Tensor, block_size: tuple[int, int]
 ) -> BlockSparseMask:
@@ -173,25 +190,11 @@ def key_length_mask(
     from torch operations (no host synchronisation). A CPU tensor is checked (values in [0, Lk]);
     a device tensor is clamped to [0, Lk] instead of read back."""
     check_4d(query=query, key=key)
-    if not isinstance(key_lengths, torch.Tensor) or key_lengths.dim() != 1:
-        raise TypeError(f"key_lengths must be a 1-D integer tensor (B,), got {type(key_lengths).__name__}")
-    if key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool or key_lengths.is_complex():
-        raise TypeError(f"key_lengths must hold integers, got {key_lengths.dtype}")
     b, lq, lk = query.shape[0], query.shape[-2], key.shape[-2]
-    if key_lengths.shape[0] != b:
-        raise ValueError(f"key_lengths must have one entry per batch element ({b}), got {key_lengths.shape[0]}")
-    if (
-        key_lengths.device.type == "cpu"
-        and key_lengths.numel()
-        and not (int(key_lengths.min()) >= 0 and int(key_lengths.max()) <= lk)
-    ):
-        raise ValueError(
-            f"key_lengths must lie in [0, Lk={lk}], got values in [{int(key_lengths.min())}, {int(key_lengths.max())}]"
-        )
     dev = query.device
     bq, bk = block_size
     nq, nk = math.ceil(lq / bq), math.ceil(lk / bk)
-    lens = key_lengths.to(dev, torch.int64).clamp(0, lk)[:, None]  # (B, 1)
+    lens = key_lengths_on(key_lengths, query, key)[:, None]  # (B, 1)
     kb = torch.arange(nk, device=dev)
     end = ((kb + 1) * bk).clamp(max=lk)
     full = end <= lens

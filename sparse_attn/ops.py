@@ -236,6 +236,7 @@ def topk_attention(
     indices: torch.Tensor | None = None,
     return_indices: bool = False,
     return_lse: bool = False,
+    key_lengths: torch.Tensor | None = None,
 ):
     """Attention of each query over the k keys (or k key blocks) chosen for it at run time.
 
@@ -282,6 +283,14 @@ def topk_attention(
         mode (k' = max(k, the blocks always kept under causal)).
     return_lse : bool
         Also return the log-sum-exp, fp32 (B, H, Lq).
+    key_lengths : Tensor, optional
+        (B,) integers: key j of batch element b is hidden iff ``j >= key_lengths[b]`` (as in
+        :func:`flash_attention`), before selection: the k best among the keys left. Token and
+        indexer modes read the lengths on the host and run each batch element on its first
+        ``key_lengths[b]`` keys (under causal, the rows whose causal bound ends inside them as
+        causal, the later rows over all of them); the selection returned is then padded with -1
+        to ``min(k, Lk)``. With ``indices`` the listed keys past a length are dropped (no host
+        read). Block mode does not take it.
 
     Returns
     -------
@@ -301,8 +310,26 @@ def topk_attention(
             raise ValueError("indices is a selection made elsewhere: it cannot be combined with the indexer inputs")
         _args.check_inputs(query, key, value)
         token_indices = _routes.user_selection(query, key, indices, k, block_size, bool(causal))
+        if key_lengths is not None:  # listed keys past a sequence's length dropped
+            lens = _args.key_lengths_on(key_lengths, query, key)
+            token_indices = torch.where(token_indices < lens[:, None, None, None], token_indices, -1)
         out, lse = _ops.gather_fwd.default(query, key, value, token_indices, scale)
         return _result(out, lse, indices, return_lse, return_indices)
+    if key_lengths is not None:
+        if block_size is not None:
+            raise NotImplementedError("topk_attention's block mode does not take key_lengths")
+        return _topk_per_sequence(
+            query,
+            key,
+            value,
+            k,
+            causal=bool(causal),
+            scale=scale,
+            key_lengths=key_lengths,
+            indexer=(index_query, index_key, index_weights),
+            return_lse=return_lse,
+            return_indices=return_indices,
+        )
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
     if k <= 0:
@@ -338,6 +365,50 @@ def topk_attention(
         indices = _ops.topk_select.default(query, key, k, bool(causal))
     out, lse = _ops.gather_fwd.default(query, key, value, indices, scale)
     return _result(out, lse, indices, return_lse, return_indices)
+
+
+def _topk_per_sequence(query, key, value, k, *, causal, scale, key_lengths, indexer, return_lse, return_indices):
+    """topk_attention with key_lengths, token and indexer modes: batch element b over its first
+    L = key_lengths[b] keys. Under causal, rows i with i + (Lk - Lq) < L see only keys below L
+    anyway: they run causal on the first L keys with the rows [0, L - (Lk - Lq)) (which keeps the
+    alignment); the later rows see all L keys (non-causal on them)."""
+    lens = _args.key_lengths_on(key_lengths, query, key).tolist()
+    b_, h, lq, dv = query.shape[0], query.shape[1], query.shape[2], value.shape[-1]
+    lk = key.shape[-2]
+    iq, ik, iw = indexer
+    out = query.new_zeros(b_, lq, h, dv).transpose(1, 2)
+    lse = torch.full((b_, h, lq), float("-inf"), dtype=torch.float32, device=query.device)
+    kmax = min(k, lk)
+    idx = torch.full((b_, 1 if iq is not None else h, lq, kmax), -1, dtype=torch.int32, device=query.device)
+    for b, length in enumerate(lens):
+        if length == 0:
+            continue
+        split = max(0, min(lq, length - (lk - lq))) if causal else 0
+        for r0, r1, is_causal in ((0, split, True), (split, lq, False)):
+            if r1 <= r0:
+                continue
+            extra = {}
+            if iq is not None:
+                extra = dict(
+                    index_query=iq[b : b + 1, r0:r1],
+                    index_key=ik[b : b + 1, :length],
+                    index_weights=iw[b : b + 1, r0:r1],
+                )
+            o, l_, i_ = topk_attention(
+                query[b : b + 1, :, r0:r1],
+                key[b : b + 1, :, :length],
+                value[b : b + 1, :, :length],
+                k,
+                causal=is_causal,
+                scale=scale,
+                return_lse=True,
+                return_indices=True,
+                **extra,
+            )
+            out[b, :, r0:r1] = o[0]
+            lse[b, :, r0:r1] = l_[0]
+            idx[b, :, r0:r1, : i_.shape[-1]] = i_[0]
+    return _result(out, lse, idx, return_lse, return_indices)
 
 
 def attention_with_kvcache(

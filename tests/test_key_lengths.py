@@ -93,3 +93,47 @@ def test_bad_key_lengths_raise():
         sparse_attn.flash_attention(q, k, v, key_lengths=torch.tensor([3, 17]))
     with pytest.raises(TypeError, match="1-D integer tensor"):
         sparse_attn.flash_attention(q, k, v, key_lengths=[3, 4])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lq", [200, 37])
+def test_topk_with_key_lengths_selects_among_the_keys_left(causal, lq, device):
+    # Token mode against the fp64 reference over each row's k best visible keys (ties cannot occur
+    # with random fp32 scores), and the selection itself: no index at or past a length.
+    q, k, v = make_qkv(4, 2, 2, lq, 200, 32, dtype=torch.float32, device=device, seed=lq)
+    lens = torch.tensor([200, 77, 0, 150])
+    out, lse, idx = sparse_attn.topk_attention(
+        q, k, v, 24, causal=causal, key_lengths=lens, return_lse=True, return_indices=True
+    )
+    assert idx.shape == (4, 2, lq, 24)
+    visible = _with_lengths(_band(lq, 200, causal)[None, None], lens.tolist(), 200)
+    scores = (q.cpu().double() @ k.cpu().double().transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+    top = scores.topk(24, dim=-1)
+    chosen = torch.zeros_like(visible.expand_as(scores))
+    chosen.scatter_(-1, top.indices, top.values > float("-inf"))
+    gold, gold_lse = reference.attention(q.cpu(), k.cpu(), v.cpu(), mask=chosen)
+    torch.testing.assert_close(out.cpu().double(), gold, atol=1e-5, rtol=1e-5)
+    got = idx.cpu()
+    assert ((got < lens[:, None, None, None]) | (got == -1)).all()
+    assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()
+    # A selection given with indices: listed keys past a length are dropped.
+    out2 = sparse_attn.topk_attention(q, k, v, indices=idx.to(device), causal=causal, key_lengths=lens.to(device))
+    torch.testing.assert_close(out2.cpu(), out.cpu())
+    with pytest.raises(NotImplementedError, match="block mode"):
+        sparse_attn.topk_attention(q, k, v, 2, block_size=64, key_lengths=lens)
+
+
+def test_indexer_topk_with_key_lengths(device):
+    # Non-causal: batch element b is the op on its first key_lengths[b] keys (index keys too).
+    q, k, v = make_qkv(2, 2, 1, 50, 120, 32, dtype=torch.float32, device=device, seed=8)
+    g = torch.Generator().manual_seed(9)
+    iq, ik, iw = (torch.randn(*s, generator=g).to(device) for s in ((2, 50, 2, 16), (2, 120, 16), (2, 50, 2)))
+    lens = torch.tensor([120, 41])
+    out, idx = sparse_attn.topk_attention(
+        q, k, v, 16, index_query=iq, index_key=ik, index_weights=iw, key_lengths=lens, return_indices=True
+    )
+    assert idx.shape == (2, 1, 50, 16) and (idx[1] < 41).all()
+    alone = sparse_attn.topk_attention(
+        q[1:], k[1:, :, :41], v[1:, :, :41], 16, index_query=iq[1:], index_key=ik[1:, :41], index_weights=iw[1:]
+    )
+    torch.testing.assert_close(out[1:], alone)
