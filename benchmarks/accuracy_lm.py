@@ -36,6 +36,12 @@ MODES = [
     ("sliding window 192 + 64 sinks", {"mode": "sliding_window", "window": 192, "sinks": 64}),
     ("token top-k 128", {"mode": "topk", "k": 128}),
     ("token top-k 256", {"mode": "topk", "k": 256}),
+    ("token top-k 128 + 4 sinks", {"mode": "topk", "k": 128, "sinks": 4}),
+    ("token top-k 64 + 4 sinks", {"mode": "topk", "k": 64, "sinks": 4}),
+    (
+        "Longformer pattern w 256 + 4 global",
+        {"mode": "pattern", "pattern": "longformer", "pattern_args": {"window": 256, "global_idx": [0, 1, 2, 3]}},
+    ),
     ("block top-k 4 x 64", {"mode": "block_topk", "k": 4, "block_size": 64}),
     ("block top-k 8 x 64", {"mode": "block_topk", "k": 8, "block_size": 64}),
     ("block top-k 9 x 64", {"mode": "block_topk", "k": 9, "block_size": 64}),
@@ -56,6 +62,11 @@ def density(config: dict, length: int) -> float:
         return sum(min(i + 1, w) + max(0, min(s, i + 1 - w)) for i in rows) / causal
     if mode == "topk":
         return sum(min(i + 1, config["k"]) for i in rows) / causal
+    if mode == "pattern":
+        from sparse_attn import patterns
+
+        mask = patterns.Pattern(getattr(patterns, config["pattern"]), **config["pattern_args"]).resolve(length, length)
+        return float((mask.to_dense()[0, 0] & torch.ones(length, length, dtype=torch.bool).tril()).sum()) / causal
     bs = config["block_size"]
     blocks = math.ceil(length / bs)
     per_block = [min(qb + 1, max(config["k"], 3)) for qb in range(blocks)]  # k includes diagonal, band, sink

@@ -237,6 +237,7 @@ def topk_attention(
     return_indices: bool = False,
     return_lse: bool = False,
     key_lengths: torch.Tensor | None = None,
+    sinks: int = 0,
 ):
     """Attention of each query over the k keys (or k key blocks) chosen for it at run time.
 
@@ -291,6 +292,11 @@ def topk_attention(
         causal, the later rows over all of them); the selection returned is then padded with -1
         to ``min(k, Lk)``. With ``indices`` the listed keys past a length are dropped (no host
         read). Block mode does not take it.
+    sinks : int
+        Token and indexer modes: the first ``sinks`` keys are always selected (StreamingLLM's
+        attention sinks; under causal, for the queries that see them) and count towards k; the
+        other k - sinks come from the rest of the keys. (Block mode keeps the first key block
+        under causal already.)
 
     Returns
     -------
@@ -315,6 +321,21 @@ def topk_attention(
             token_indices = torch.where(token_indices < lens[:, None, None, None], token_indices, -1)
         out, lse = _ops.gather_fwd.default(query, key, value, token_indices, scale)
         return _result(out, lse, indices, return_lse, return_indices)
+    if sinks:
+        return _topk_with_sinks(
+            query,
+            key,
+            value,
+            k,
+            sinks,
+            causal=bool(causal),
+            scale=scale,
+            block_size=block_size,
+            indexer=(index_query, index_key, index_weights),
+            key_lengths=key_lengths,
+            return_lse=return_lse,
+            return_indices=return_indices,
+        )
     if key_lengths is not None:
         if block_size is not None:
             raise NotImplementedError("topk_attention's block mode does not take key_lengths")
@@ -365,6 +386,56 @@ def topk_attention(
         indices = _ops.topk_select.default(query, key, k, bool(causal))
     out, lse = _ops.gather_fwd.default(query, key, value, indices, scale)
     return _result(out, lse, indices, return_lse, return_indices)
+
+
+def _topk_with_sinks(
+    query, key, value, k, sinks, *, causal, scale, block_size, indexer, key_lengths, return_lse, return_indices
+):
+    """topk_attention with sinks: keys [0, n) always, the best k - n of keys [n, Lk) (selected on
+    key[..., n:, :], which keeps the bottom-right alignment), one gathered attention over both."""
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be a non-negative int, got {sinks!r}")
+    if block_size is not None:
+        raise NotImplementedError(
+            "topk_attention's block mode keeps the first key block under causal; it takes no sinks"
+        )
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    _args.check_inputs(query, key, value)
+    lq, lk = query.shape[-2], key.shape[-2]
+    n = min(sinks, k, lk)
+    iq, ik, iw = indexer
+    groups = 1 if iq is not None else query.shape[1]
+    j = torch.arange(n, device=query.device, dtype=torch.int32)
+    sink_idx = j.expand(query.shape[0], groups, lq, n)
+    if causal:  # query i sees key j iff j <= i + Lk - Lq
+        i = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
+        sink_idx = torch.where(j <= i, sink_idx, -1)
+    parts = [sink_idx]
+    if k > n and lk > n:
+        extra = {}
+        if iq is not None:
+            extra = dict(index_query=iq, index_key=ik[:, n:], index_weights=iw)
+        lens = None if key_lengths is None else (_args.key_lengths_on(key_lengths, query, key) - n).clamp(min=0)
+        _, rest = topk_attention(
+            query,
+            key[..., n:, :],
+            value[..., n:, :],
+            k - n,
+            causal=causal,
+            scale=scale,
+            key_lengths=lens,
+            return_indices=True,
+            **extra,
+        )
+        parts.append(torch.where(rest >= 0, rest + n, -1).to(torch.int32))
+    indices = torch.cat(parts, -1).contiguous()
+    token_indices = indices
+    if key_lengths is not None:
+        lens = _args.key_lengths_on(key_lengths, query, key)
+        token_indices = torch.where(indices < lens[:, None, None, None], indices, -1)
+    out, lse = _ops.gather_fwd.default(query, key, value, token_indices, scale)
+    return _result(out, lse, token_indices, return_lse, return_indices)
 
 
 def _topk_per_sequence(query, key, value, k, *, causal, scale, key_lengths, indexer, return_lse, return_indices):

@@ -634,3 +634,27 @@ def test_user_selection_bad_input():
         sparse_attn.topk_attention(q, k, v, indices=torch.zeros(1, 1, 16, 3, dtype=torch.int32), block_size=32)
     with pytest.raises(TypeError, match="k must be an int"):
         sparse_attn.topk_attention(q, k, v)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_token_topk_with_sinks(causal, device):
+    # The first keys always selected (counting towards k), the rest the best of the other keys.
+    q, k, v = make_qkv(2, 2, 1, 40, 100, 32, dtype=torch.float32, device=device, seed=21)
+    out, idx = sparse_attn.topk_attention(q, k, v, 10, causal=causal, sinks=3, return_indices=True)
+    assert idx.shape == (2, 2, 40, 10)
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
+    i, j = torch.arange(40)[:, None] + 60, torch.arange(100)[None, :]
+    visible = (j <= i) if causal else torch.ones(40, 100, dtype=torch.bool)
+    scores = (q.double() @ k.double().transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+    rest = scores.clone()
+    rest[..., :3] = float("-inf")
+    top = rest.topk(7, -1)
+    chosen = torch.zeros_like(scores, dtype=torch.bool)
+    chosen.scatter_(-1, top.indices, top.values > float("-inf"))
+    chosen[..., :3] |= visible[:, :3]
+    gold, _ = reference.attention(q, k, v, mask=chosen)
+    torch.testing.assert_close(out.cpu().double(), gold, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="sinks must be a non-negative int"):
+        sparse_attn.topk_attention(q, k, v, 10, sinks=-1)
+    with pytest.raises(NotImplementedError, match="block mode"):
+        sparse_attn.topk_attention(q, k, v, 2, block_size=64, sinks=1)

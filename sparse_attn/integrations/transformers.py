@@ -49,8 +49,9 @@ class LayerConfig:
       ``pattern="longformer", pattern_args={"window": 256, "global_idx": [0, 1, 2, 3]}``.
 
     ``dense_below``: keys below this count run dense whatever the mode (short prompts gain nothing
-    from sparsity). ``sinks`` (sliding_window): the first ``sinks`` keys stay visible to every
-    query (StreamingLLM's attention sinks), run as an exact block-sparse mask.
+    from sparsity). ``sinks`` (sliding_window, topk): the first ``sinks`` keys stay visible to every
+    query (StreamingLLM's attention sinks): with a window as an exact block-sparse mask, with
+    top-k always selected (counting towards k).
     """
 
     mode: str = "dense"
@@ -202,7 +203,7 @@ def attention_forward(
     elif mode == "pattern":
         out = ops.block_sparse_attention(query, key, value, _pattern(config), causal=causal, scale=scaling)
     elif mode == "topk":
-        out = ops.topk_attention(query, key, value, config.k, causal=causal, scale=scaling)
+        out = ops.topk_attention(query, key, value, config.k, causal=causal, scale=scaling, sinks=config.sinks)
     else:
         out = ops.topk_attention(
             query, key, value, config.k, block_size=config.block_size, causal=causal, scale=scaling
