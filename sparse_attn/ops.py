@@ -321,36 +321,21 @@ def topk_attention(
             token_indices = torch.where(token_indices < lens[:, None, None, None], token_indices, -1)
         out, lse = _ops.gather_fwd.default(query, key, value, token_indices, scale)
         return _result(out, lse, indices, return_lse, return_indices)
+    # The composite paths (sinks, per-sequence key lengths) call back into this function.
+    composite = dict(
+        causal=bool(causal),
+        scale=scale,
+        indexer=(index_query, index_key, index_weights),
+        key_lengths=key_lengths,
+        return_lse=return_lse,
+        return_indices=return_indices,
+    )
     if sinks:
-        return _topk_with_sinks(
-            query,
-            key,
-            value,
-            k,
-            sinks,
-            causal=bool(causal),
-            scale=scale,
-            block_size=block_size,
-            indexer=(index_query, index_key, index_weights),
-            key_lengths=key_lengths,
-            return_lse=return_lse,
-            return_indices=return_indices,
-        )
+        return _topk_with_sinks(query, key, value, k, sinks, block_size=block_size, **composite)
     if key_lengths is not None:
         if block_size is not None:
             raise NotImplementedError("topk_attention's block mode does not take key_lengths")
-        return _topk_per_sequence(
-            query,
-            key,
-            value,
-            k,
-            causal=bool(causal),
-            scale=scale,
-            key_lengths=key_lengths,
-            indexer=(index_query, index_key, index_weights),
-            return_lse=return_lse,
-            return_indices=return_indices,
-        )
+        return _topk_per_sequence(query, key, value, k, **composite)
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
     if k <= 0:
