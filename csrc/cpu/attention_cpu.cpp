@@ -255,8 +255,8 @@ struct KVCacheLayout {
 // missing keys as zero columns), V as rows into slot `slot` of vc (layout kv). Returns whether V
 // is finite.
 template <typename T>
-bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float* /*kf*/, float* kt,
-                  float* vc, const KVCacheLayout& kv, int slot) {
+bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float* kt, float* vc,
+                  const KVCacheLayout& kv, int slot) {
   constexpr int N = kBlockN;
   const int D = p.d, Dv = p.dv;
   const T* k = k_row<T>(p, b, hk, n0);
@@ -314,8 +314,8 @@ SA_CPU_CLONES bool pack_kv_bf16(const bf16_t* k, int64_t k_stride, const bf16_t*
 }
 
 template <typename T>
-bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float* /*kf*/, bf16_t* kt,
-                  bf16_t* vc, const KVCacheLayout& kv, int slot) {
+bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, bf16_t* kt, bf16_t* vc,
+                  const KVCacheLayout& kv, int slot) {
   return pack_kv_bf16(k_row<T>(p, b, hk, n0), p.k_row_stride, v_row<T>(p, b, hk, n0), p.v_row_stride, cols,
                       p.d, p.dv, kt, vc, kv, slot);
 }
@@ -516,7 +516,7 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   {
     std::vector<Op> kc(kv.slots * kv.k_elems), vc(kv.slots * kv.v_elems), qc(kQInPlace ? 0 : kBlockM * D),
         pc(kAmx ? kBlockM * kGroupN : 0);
-    std::vector<float> s(kBlockM * kGroupN), acc(kBlockM * Dv), m(kBlockM), l(kBlockM), kf(D),
+    std::vector<float> s(kBlockM * kGroupN), acc(kBlockM * Dv), m(kBlockM), l(kBlockM),
         vf(kAmx ? kv.v_elems : 0);
     std::vector<uint64_t> visible(kBlockM * kGroup);
     std::vector<uint8_t> ready(kv.slots, 0), finite(kv.slots, 0);
@@ -572,8 +572,7 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
           const int n0 = nb * N, cols = std::min(N, p.lk - n0);
           const int slot = cache ? nb : 0;
           if (!cache || !ready[slot]) {
-            finite[slot] =
-                load_kv_tile<T>(p, b, hk, n0, cols, kf.data(), &kc[kv.k_offset(slot)], vc.data(), kv, slot);
+            finite[slot] = load_kv_tile<T>(p, b, hk, n0, cols, &kc[kv.k_offset(slot)], vc.data(), kv, slot);
             ready[slot] = 1;
           }
           group_finite &= finite[slot] != 0;
