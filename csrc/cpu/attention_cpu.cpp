@@ -279,12 +279,20 @@ SA_CPU_CLONES bool pack_kv_bf16(const bf16_t* k, int64_t k_stride, const bf16_t*
   constexpr int N = kBlockN;
   uint32_t* kw = reinterpret_cast<uint32_t*>(kt);
   const int64_t ld = kv.k_ld();
-  for (int i = 0; i < D / 2; ++i)
-    for (int c = 0; c < N; ++c) {
-      uint32_t word = 0;
-      if (c < cols) std::memcpy(&word, k + c * k_stride + 2 * i, sizeof(word));
-      kw[i * ld + c] = word;
+  const int words = D / 2;
+  for (int c = 0; c < N; ++c) {  // each key's row read contiguously, its words written down a column
+    uint32_t* col = kw + c;
+    if (c < cols) {
+      const bf16_t* row = k + c * k_stride;
+      for (int i = 0; i < words; ++i) {
+        uint32_t word;
+        std::memcpy(&word, row + 2 * i, sizeof(word));
+        col[i * ld] = word;
+      }
+    } else {
+      for (int i = 0; i < words; ++i) col[i * ld] = 0;
     }
+  }
   int bad = 0;  // a NaN or Inf among the values
   for (int x0 = 0; x0 < Dv; x0 += kv.chunk) {
     const int w = std::min(kv.chunk, Dv - x0);
