@@ -205,6 +205,14 @@ def _explain_flash(a, tgt) -> Plan:
     _args.check_4d(query=q, key=k, value=v)
     left, right = _args.window_bounds(a["window"])
     causal = bool(a["causal"])
+    if a.get("key_lengths") is not None:
+        why = (
+            "key_lengths: the block-sparse kernel over the lengths' block mask"
+            + (" and the window's" if left >= 0 or right >= 0 else "")
+            + (", causal" if causal else "")
+        )
+        text = _ops._plan_block_sparse.default(q, k, v, 128, 128, *tgt)
+        return Plan("flash_attention", "block_kernel", why, (_launch("block_sparse_fwd", text),))
     why = "tiled attention with an online softmax" + (", causal" if causal else "")
     if left >= 0 or right >= 0:
         why += f", window (left={left}, right={right}; -1 unbounded)"
@@ -216,7 +224,14 @@ def _explain_block_sparse(a, tgt) -> Plan:
     _args.check_4d(query=q, key=k, value=v)
     _args.check_mask_kind(mask)
     lq, lk = q.shape[2], k.shape[2]
-    if isinstance(mask, BlockSparseMask):
+    from .patterns import Pattern
+
+    resolved = isinstance(mask, Pattern)
+    if resolved:  # resolved for these lengths (and kept on the pattern), as the call does
+        mask = mask.resolve(lq, lk, device=q.device)
+    if isinstance(mask, BlockSparseMask) and a.get("key_lengths") is not None:
+        route = Route("block_kernel", mask.block_size, "the mask intersected with the key lengths' block mask")
+    elif isinstance(mask, BlockSparseMask):
         _args.check_mask_lengths(mask.seq_lengths, lq, lk)
         route = block_sparse_route(mask, k, v, bool(a["causal"]))
     else:  # a block matrix or a Flex BlockMask: a plain block mask (converted on every call)
@@ -256,7 +271,8 @@ def _explain_block_sparse(a, tgt) -> Plan:
     else:
         text = _ops._plan_block_sparse.default(q, k, v, route.args[0], route.args[1], *tgt)
         launches = (_launch("block_sparse_fwd", text),)
-    return Plan("block_sparse_attention", route.kind, route.why, launches)
+    why = (f"a Pattern resolved for (Lq={lq}, Lk={lk}): " if resolved else "") + route.why
+    return Plan("block_sparse_attention", route.kind, why, launches)
 
 
 def _explain_topk(a, tgt) -> Plan:

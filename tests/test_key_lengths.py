@@ -137,3 +137,16 @@ def test_indexer_topk_with_key_lengths(device):
         q[1:], k[1:, :, :41], v[1:, :, :41], 16, index_query=iq[1:], index_key=ik[1:, :41], index_weights=iw[1:]
     )
     torch.testing.assert_close(out[1:], alone)
+
+
+def test_explain_names_the_routes_of_patterns_and_key_lengths():
+    q = k = v = torch.randn(2, 2, 300, 64)
+    lens = torch.tensor([300, 100])
+    plan = sparse_attn.explain(sparse_attn.flash_attention, q, k, v, key_lengths=lens)
+    assert plan.route == "block_kernel" and "key_lengths" in plan.why
+    plan = sparse_attn.explain(sparse_attn.block_sparse_attention, q[:, :, -1:], k, v, patterns.sliding_window(64))
+    assert plan.route == "flash_window" and "Pattern resolved for (Lq=1, Lk=300)" in plan.why
+    plan = sparse_attn.explain(
+        sparse_attn.block_sparse_attention, q, k, v, patterns.longformer(window=64, global_idx=[0]), key_lengths=lens
+    )
+    assert plan.route == "block_kernel" and "key lengths" in plan.why
