@@ -321,6 +321,10 @@ def topk_attention(
             token_indices = torch.where(token_indices < lens[:, None, None, None], token_indices, -1)
         out, lse = _ops.gather_fwd.default(query, key, value, token_indices, scale)
         return _result(out, lse, indices, return_lse, return_indices)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if k <= 0:
+        raise ValueError(f"k must be positive, got {k}")
     # The composite paths (sinks, per-sequence key lengths) call back into this function.
     composite = dict(
         causal=bool(causal),
@@ -336,10 +340,6 @@ def topk_attention(
         if block_size is not None:
             raise NotImplementedError("topk_attention's block mode does not take key_lengths")
         return _topk_per_sequence(query, key, value, k, **composite)
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
-    if k <= 0:
-        raise ValueError(f"k must be positive, got {k}")
     given = [t is not None for t in (index_query, index_key, index_weights)]
     if any(given) and not all(given):
         raise ValueError("index_query, index_key and index_weights must be given together")
@@ -384,8 +384,6 @@ def _topk_with_sinks(
         raise NotImplementedError(
             "topk_attention's block mode keeps the first key block under causal; it takes no sinks"
         )
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k must be a positive int, got {k!r}")
     _args.check_inputs(query, key, value)
     lq, lk = query.shape[-2], key.shape[-2]
     n = min(sinks, k, lk)
@@ -396,12 +394,12 @@ def _topk_with_sinks(
     if causal:  # query i sees key j iff j <= i + Lk - Lq
         i = torch.arange(lq, device=query.device)[:, None] + (lk - lq)
         sink_idx = torch.where(j <= i, sink_idx, -1)
+    lens = None if key_lengths is None else _args.key_lengths_on(key_lengths, query, key)
     parts = [sink_idx]
     if k > n and lk > n:
         extra = {}
         if iq is not None:
             extra = dict(index_query=iq, index_key=ik[:, n:], index_weights=iw)
-        lens = None if key_lengths is None else (_args.key_lengths_on(key_lengths, query, key) - n).clamp(min=0)
         _, rest = topk_attention(
             query,
             key[..., n:, :],
@@ -409,15 +407,14 @@ def _topk_with_sinks(
             k - n,
             causal=causal,
             scale=scale,
-            key_lengths=lens,
+            key_lengths=None if lens is None else (lens - n).clamp(min=0),
             return_indices=True,
             **extra,
         )
         parts.append(torch.where(rest >= 0, rest + n, -1).to(torch.int32))
     indices = torch.cat(parts, -1).contiguous()
     token_indices = indices
-    if key_lengths is not None:
-        lens = _args.key_lengths_on(key_lengths, query, key)
+    if lens is not None:
         token_indices = torch.where(indices < lens[:, None, None, None], indices, -1)
     out, lse = _ops.gather_fwd.default(query, key, value, token_indices, scale)
     return _result(out, lse, token_indices, return_lse, return_indices)
