@@ -119,41 +119,31 @@ def _block_mask(mask: torch.Tensor) -> BlockSparseMask:
     return converted
 
 
-def _window_mask(lq: int, lk: int, config: LayerConfig, causal: bool, device) -> torch.Tensor:
-    """(Lq, Lk) bool: the sliding window (bottom-right aligned) and the sink keys, within causal."""
+def _window_mask(lq: int, lk: int, config: LayerConfig, device) -> torch.Tensor:
+    """(Lq, Lk) bool: the sliding window (bottom-right aligned) and the sink keys, to intersect with
+    the model's own mask (which holds its causality)."""
     i = torch.arange(lq, device=device)[:, None] + (lk - lq)
     j = torch.arange(lk, device=device)[None, :]
-    visible = ((i - j).abs() < config.window) | (j < config.sinks)
-    return visible & (j <= i) if causal else visible
-
-
-_WINDOW_MASKS: dict[tuple, BlockSparseMask] = {}
-
-
-def _window_block_mask(lq: int, lk: int, config: LayerConfig, causal: bool, device) -> BlockSparseMask:
-    """_window_mask as a block-sparse mask, kept for the shapes of the last few calls (every layer
-    of a forward, and each decode step's, asks for the same one)."""
-    key = (lq, lk, config.window, config.sinks, causal, str(device))
-    if key not in _WINDOW_MASKS:
-        if len(_WINDOW_MASKS) >= 4:
-            _WINDOW_MASKS.pop(next(iter(_WINDOW_MASKS)))
-        _WINDOW_MASKS[key] = BlockSparseMask.from_element_mask(
-            _window_mask(lq, lk, config, causal, device), block_size=64
-        )
-    return _WINDOW_MASKS[key]
+    return ((i - j).abs() < config.window) | (j < config.sinks)
 
 
 _PATTERN_OBJECTS: dict[str, patterns.Pattern] = {}
 
 
-def _pattern(config: LayerConfig) -> patterns.Pattern:
-    """The layer's Pattern (one object per setting, so that its resolved masks are reused by every
-    layer of a forward and across calls), on 64-blocks like the padding masks it may meet."""
-    args = {"block_size": 64, **(config.pattern_args or {})}
-    key = repr((config.pattern, sorted(args.items())))
+def _pattern(name: str, args: dict) -> patterns.Pattern:
+    """One Pattern object per setting (so that its resolved masks are reused by every layer of a
+    forward and across calls), on 64-blocks like the padding masks it may meet."""
+    args = {"block_size": 64, **args}
+    key = repr((name, sorted(args.items())))
     if key not in _PATTERN_OBJECTS:
-        _PATTERN_OBJECTS[key] = patterns.Pattern(getattr(patterns, config.pattern), **args)
+        _PATTERN_OBJECTS[key] = patterns.Pattern(getattr(patterns, name), **args)
     return _PATTERN_OBJECTS[key]
+
+
+def _layer_pattern(config: LayerConfig) -> patterns.Pattern:
+    if config.mode == "sliding_window":  # |i - j| < window or j < sinks (causality from the call)
+        return _pattern("sliding_window", {"window": config.window, "sinks": config.sinks})
+    return _pattern(config.pattern, config.pattern_args or {})
 
 
 def attention_forward(
@@ -182,9 +172,9 @@ def attention_forward(
             out = ops.dense_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
             return out.transpose(1, 2), None
         if mode == "sliding_window":  # the window (and sinks) within the model's mask
-            attention_mask = attention_mask & _window_mask(lq, lk, config, False, query.device)
+            attention_mask = attention_mask & _window_mask(lq, lk, config, query.device)
         elif mode == "pattern":  # the pattern within the model's mask (which holds its causality)
-            mask = _block_mask(attention_mask) & _pattern(config).resolve(lq, lk, device=query.device)
+            mask = _block_mask(attention_mask) & _layer_pattern(config).resolve(lq, lk, device=query.device)
             return ops.block_sparse_attention(query, key, value, mask, scale=scaling).transpose(1, 2), None
         elif mode != "dense":
             raise NotImplementedError(
@@ -195,13 +185,12 @@ def attention_forward(
     elif mode == "dense":
         out = ops.flash_attention(query, key, value, causal=causal, scale=scaling)
     elif mode == "sliding_window" and config.sinks:
-        mask = _window_block_mask(lq, lk, config, causal, query.device)
-        out = ops.block_sparse_attention(query, key, value, mask, scale=scaling)
+        out = ops.block_sparse_attention(query, key, value, _layer_pattern(config), causal=causal, scale=scaling)
     elif mode == "sliding_window":  # a bidirectional layer sees the window on both sides
         right = 0 if causal else config.window - 1
         out = ops.flash_attention(query, key, value, window=(config.window - 1, right), scale=scaling)
     elif mode == "pattern":
-        out = ops.block_sparse_attention(query, key, value, _pattern(config), causal=causal, scale=scaling)
+        out = ops.block_sparse_attention(query, key, value, _layer_pattern(config), causal=causal, scale=scaling)
     elif mode == "topk":
         out = ops.topk_attention(query, key, value, config.k, causal=causal, scale=scaling, sinks=config.sinks)
     else:
