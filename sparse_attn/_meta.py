@@ -149,6 +149,27 @@ def _decode_block_select(block_scores, cache_seqlens, k, block_size, sinks, rece
     return block_scores.new_empty(b, dtype=torch.int32), block_scores.new_empty(b, kk, dtype=torch.int32)
 
 
+@torch.library.register_fake("sparse_attn::_selection_mask")
+def _selection_mask(indices, key_length, heads, q_block, kv_block, causal, row_offset, entry_block=1):
+    from ._routes import selection_mask_size
+
+    _check(indices.dtype == torch.int32, f"indices must be int32, got {indices.dtype}")
+    _check(indices.dim() == 4, f"indices must be 4-D (B, G, Lq, k), got {indices.dim()}-D")
+    _check(q_block in (64, 128) and kv_block in (64, 128), "q_block and kv_block must be 64 or 128")
+    _check(entry_block in (1, 64, 128), f"entry_block must be 1 (keys), 64 or 128 (key blocks), got {entry_block}")
+    b, g, lq, _ = indices.shape
+    _check(heads % g == 0, f"heads ({heads}) must be a multiple of the groups ({g})")
+    pairs, longest = selection_mask_size(lq, key_length, q_block, kv_block, causal, row_offset)
+    nqb, out_heads = -(-lq // q_block), 1 if g == 1 else heads
+    i32 = dict(dtype=torch.int32)
+    return (
+        indices.new_empty(b, out_heads, nqb, **i32),
+        indices.new_empty(b, out_heads, nqb, longest, **i32),
+        indices.new_empty(b, out_heads, nqb, longest, **i32),
+        indices.new_empty(b * g * pairs, q_block, kv_block // 32, **i32),
+    )
+
+
 @torch.library.register_fake("sparse_attn::_check_inputs")
 def _check_inputs(query, key, value):
     return None

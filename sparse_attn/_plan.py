@@ -85,10 +85,84 @@ def topk_route(block_size: int | None, indexer: bool) -> Route:
         return Route(
             "indexer_topk",
             (),
-            "token mode with the lightning indexer: one index set per token for every head, then gathered attention",
+            "token mode with the lightning indexer: one index set per token for every head",
         )
+    return Route("token_topk", (), "token mode: the k largest q.k per query head among visible keys")
+
+
+def _sum_clamped(n: int, start: int, lo: int, hi: int) -> int:
+    """sum over i < n of min(max(start + i, lo), hi), for lo <= hi (closed form: per call, no loop)."""
+    a = min(n, max(0, lo - start))  # rows clamped to lo
+    e = min(n, max(a, hi - start))  # rows before the first clamped to hi
+    return a * lo + (e - a) * start + (a + e - 1) * (e - a) // 2 + (n - e) * hi
+
+
+# The selection cost model's rates (measured: docs/PERF_LOG.md, "top-k's masked-block route").
+# CUDA (H100): gathered rows stream at about the L2's random-row bandwidth (bytes/s); the block
+# kernel computes pairs at about dense attention's rate (FLOP/s), a partial block taking
+# _PARTIAL_COST times a full one's time; the mask's build moves the indices once and its words
+# about four times at _CUDA_MASK_BYTES_PER_S. CPU (this kernel set): seconds per (query head,
+# selected key, head-dim element) for the gather and per (query head, visible pair, element) for
+# the block kernel, the build included.
+_CUDA_GATHER_BYTES_PER_S = 6.4e12
+_CUDA_PAIR_FLOPS_PER_S = {torch.float32: 2.0e13, torch.bfloat16: 6.0e14, torch.float16: 6.0e14}
+_CUDA_MASK_BYTES_PER_S = 1.2e12
+_CPU_GATHER_S = {torch.float32: 0.23e-9, torch.bfloat16: 0.20e-9, torch.float16: 0.20e-9}
+_CPU_PAIR_S = {torch.float32: 0.017e-9, torch.bfloat16: 0.008e-9, torch.float16: 0.017e-9}
+_PARTIAL_COST = 1.3
+
+
+def selection_route(
+    query, key, value, groups: int, k: int, causal: bool, cuda: bool | None = None, union: float | None = None
+) -> Route:
+    """How topk_attention attends over a selection of its own making (distinct keys per row):
+    ``gather`` (each query loads its k rows; a row serves the query heads that share it) or
+    ``masked_block`` (the union of a query block's selections through the block-sparse kernel,
+    partial blocks masked to each row's selection: every row loaded once per query tile). Chosen
+    by shapes alone (no synchronisation): gather when its bytes take less time than the block
+    kernel would over every visible pair (the union covering everything, its worst case), so the
+    choice is never much slower than dense attention; selections with locality make the block
+    route faster still. Under torch.use_deterministic_algorithms(True), for a call that needs
+    gradients, the block route (its backward is deterministic). ``overrides(topk_attention_route=...)``
+    forces one. ``cuda``: the model of
+    that device kind instead of the query's (explain's target). ``union``: the share of the block
+    pairs the selection touches, when measured (selection_union), instead of 1."""
+    forced = _current["topk_attention_route"]
+    if forced in ("gather", "masked_block"):
+        return Route(forced, (), f"forced by overrides(topk_attention_route={forced!r})")
+    if torch.are_deterministic_algorithms_enabled() and query.requires_grad | key.requires_grad | value.requires_grad:
+        return Route(
+            "masked_block",
+            (),
+            "deterministic algorithms requested: the block kernel's backward is deterministic, the gather's "
+            "(dK, dV summed by atomics) is not",
+        )
+    b, h, lq, d = query.shape
+    hkv, lk, dv = key.shape[1], key.shape[2], value.shape[-1]
+    start = lk - lq + 1 if causal else lk  # keys visible to row 0 (causal: bottom-right)
+    visible = _sum_clamped(lq, start, 0, lk) if causal else lq * lk
+    selected = _sum_clamped(lq, start, 0, min(k, lk)) if causal else lq * min(k, lk)
+    if query.device.type == "cuda" if cuda is None else cuda:
+        streams = h if groups == h else hkv  # (index set, K/V head) pairs each loading its rows
+        gather = b * streams * selected * 2 * dv * query.element_size() / _CUDA_GATHER_BYTES_PER_S
+        share = 1.0 if union is None else union
+        block = share * _PARTIAL_COST * b * h * visible * 2 * (d + dv) / _CUDA_PAIR_FLOPS_PER_S.get(query.dtype, 2.0e13)
+        block += b * groups * (4 * lq * min(k, lk) + 4 * visible // 8) / _CUDA_MASK_BYTES_PER_S
+    else:
+        gather = b * h * selected * (d + dv) / 2 * _CPU_GATHER_S.get(query.dtype, 0.23e-9)
+        share = 1.0 if union is None else union
+        block = share * _PARTIAL_COST * b * h * visible * (d + dv) / 2 * _CPU_PAIR_S.get(query.dtype, 0.017e-9)
+    estimate = "estimated while tracing"  # symbolic shapes: no numbers to print
+    if not torch.compiler.is_compiling():
+        pairs = "every visible pair" if union is None else f"the measured union ({union:.3f} of the pairs)"
+        estimate = f"estimated gather {gather * 1e3:.3g} ms, block kernel over {pairs} {block * 1e3:.3g} ms"
+    if gather <= block:
+        return Route("gather", (), f"gathered rows cost less than the block kernel ({estimate})")
     return Route(
-        "token_topk", (), "token mode: the k largest q.k per query head among visible keys, then gathered attention"
+        "masked_block",
+        (),
+        f"the union of each query block's selections through the block-sparse kernel, partial blocks masked to "
+        f"each row's keys: rows loaded once per query tile ({estimate})",
     )
 
 
@@ -275,12 +349,29 @@ def _explain_block_sparse(a, tgt) -> Plan:
     return Plan("block_sparse_attention", route.kind, why, launches)
 
 
+def _masked_launches(q, k, v, on_cuda: bool, tgt) -> tuple[Launch, ...]:
+    """The masked block route's launches: the selection's lists and bits, then the block kernel."""
+    lists = Launch(
+        "selection_mask",
+        "cuda" if on_cuda else "cpu",
+        why=("one CTA (CPU: task) per query block and index set: the union of its rows' key blocks, each row's bits",),
+    )
+    text = _ops._plan_block_sparse.default(q, k, v, 128, 128, *tgt)
+    return (lists, _launch("block_sparse_fwd", text))
+
+
 def _explain_topk(a, tgt) -> Plan:
     q, k, v = a["query"], a["key"], a["value"]
+    on_cuda = q.device.type == "cuda" or tgt[0] != 0
     if a["indices"] is not None:
-        heads = a["indices"].shape[1]
+        idx = a["indices"]
+        heads = idx.shape[1]
+        tokens = idx.shape[3] * (a["block_size"] or 1)
+        attend = selection_route(q, k, v, heads, tokens, bool(a["causal"]), on_cuda)
+        why = f"a selection made elsewhere (indices=), repeats dropped; attention over it: {attend.kind}, {attend.why}"
+        if attend.kind == "masked_block" and a["key_lengths"] is None:
+            return Plan("topk_attention", "user_topk", why, _masked_launches(q, k, v, on_cuda, tgt))
         gather = _launch("gather_fwd", _ops._plan_gather.default(q, k, v, heads, *tgt))
-        why = "a selection made elsewhere (indices=): its keys, or its blocks' keys, through the gathered attention"
         return Plan("topk_attention", "user_topk", why, (gather,))
     indexer = [a[n] is not None for n in ("index_query", "index_key", "index_weights")]
     if any(indexer) and not all(indexer):
@@ -304,8 +395,12 @@ def _explain_topk(a, tgt) -> Plan:
     else:
         select = _launch("topk_select", _ops._plan_select.default(q, k, a["k"], causal, *tgt))
         heads = q.shape[1]
+    attend = selection_route(q, k, v, heads, a["k"], causal, on_cuda)
+    why = f"{route.why}; attention over it: {attend.kind}, {attend.why}"
+    if attend.kind == "masked_block":
+        return Plan("topk_attention", route.kind, why, (select, *_masked_launches(q, k, v, on_cuda, tgt)))
     gather = _launch("gather_fwd", _ops._plan_gather.default(q, k, v, heads, *tgt))
-    return Plan("topk_attention", route.kind, route.why, (select, gather))
+    return Plan("topk_attention", route.kind, why, (select, gather))
 
 
 def _explain_kvcache(a, tgt) -> Plan:
@@ -410,6 +505,7 @@ _DEFAULTS = {
     "merge_boundary": None,
     "select_workspace_bytes": 0,
     "decode_splits": 0,
+    "topk_attention_route": None,
 }
 _current = dict(_DEFAULTS)
 
@@ -440,6 +536,8 @@ def overrides(**changes):
     - ``merge_boundary=True/False``: the Hopper core's merged tile boundary on or off;
     - ``select_workspace_bytes=n``: top-k selection's score workspace;
     - ``decode_splits=n``: attention_with_kvcache's split-KV count (at most its key tiles).
+    - ``topk_attention_route="gather"`` or ``"masked_block"``: how topk_attention attends over
+      a selection of its own (selection_route; Python-side).
 
     ``explain`` shows the plan with them in force.
     """

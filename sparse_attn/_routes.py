@@ -187,12 +187,12 @@ def block_topk_mask(query, key, k: int, block_size: int, causal: bool):
     return mask, chosen
 
 
-def user_selection(query, key, indices, k, block_size, causal: bool) -> torch.Tensor:
-    """A user's selection (B, G, Lq, k) of keys or key blocks as the gather kernel's token indices
-    (B, G, Lq, k or k * block_size), -1 for a listed key hidden by ``causal`` (bottom-right) or
-    past Lk. Checks its layout; reads no value on the host."""
+def user_selection(query, key, indices, k, block_size) -> torch.Tensor:
+    """A user's selection (B, G, Lq, k) of keys or key blocks, checked (layout only: no value is
+    read on the host), with each row's repeats dropped: ascending, -1 for a repeat or an empty slot
+    (a key or block listed more than once counts once)."""
     b, h, lq = query.shape[0], query.shape[1], query.shape[2]
-    hkv, lk = key.shape[1], key.shape[2]
+    hkv = key.shape[1]
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 4:
         raise ValueError(
             f"indices must be an int32 tensor (B, G, Lq, k), got {getattr(indices, 'dtype', type(indices).__name__)}"
@@ -212,11 +212,100 @@ def user_selection(query, key, indices, k, block_size, causal: bool) -> torch.Te
         )
     if block_size not in (None, 64, 128):
         raise ValueError(f"block_size must be None (tokens), 64 or 128, got {block_size}")
-    tok = indices
+    top = torch.iinfo(torch.int32).max
+    rows = torch.where(indices >= 0, indices, top).sort(-1).values
+    repeat = torch.zeros_like(rows, dtype=torch.bool)
+    repeat[..., 1:] = rows[..., 1:] == rows[..., :-1]
+    return torch.where(repeat | (rows == top), -1, rows).contiguous()
+
+
+def selection_tokens(query, key, entries, block_size, causal: bool) -> torch.Tensor:
+    """user_selection's entries as the gather kernel's token indices (B, G, Lq, k or k *
+    block_size), -1 for a listed key hidden by ``causal`` (bottom-right) or past Lk."""
+    lq, lk = query.shape[2], key.shape[2]
+    tok = entries
     if block_size is not None:  # each listed block: its block_size keys
-        offs = torch.arange(block_size, dtype=torch.int32, device=indices.device)
-        tok = torch.where(indices[..., None] >= 0, indices[..., None] * block_size + offs, -1).flatten(-2)
+        offs = torch.arange(block_size, dtype=torch.int32, device=entries.device)
+        tok = torch.where(entries[..., None] >= 0, entries[..., None] * block_size + offs, -1).flatten(-2)
     if causal:
-        limit = torch.arange(lq, device=indices.device, dtype=torch.int32) + (lk - lq)  # last visible key per row
+        limit = torch.arange(lq, device=entries.device, dtype=torch.int32) + (lk - lq)  # last visible key per row
         tok = torch.where(tok <= limit[:, None], tok, -1)
     return torch.where((tok >= 0) & (tok < lk), tok, -1).to(torch.int32).contiguous()
+
+
+# Partial-mask bytes one masked-block call holds at most; a longer selection runs in query chunks.
+SELECTION_MASK_BYTES = 256 << 20
+
+
+def selection_mask_size(lq: int, lk: int, q_block: int, kv_block: int, causal: bool, row_offset: int):
+    """(partial rows per (batch, group), longest list) of ``_selection_mask`` for a selection of lq
+    rows: every key block per query block, or under causal those up to its last row's last
+    visible key (selection_block_cap in csrc/include/sparse_attn/selection_mask.h)."""
+    nqb, nkb = -(-lq // q_block), -(-lk // kv_block)
+    if not causal:
+        return nqb * nkb, nkb if nqb else 0
+    pairs = longest = 0
+    for qb in range(nqb):
+        last_key = min((qb + 1) * q_block, lq) - 1 + row_offset
+        cap = 0 if last_key < 0 else min(nkb, last_key // kv_block + 1)
+        pairs += cap
+        longest = max(longest, cap)
+    return pairs, longest
+
+
+def selection_blocks(
+    query, key, value, indices, scale, causal: bool, block: tuple[int, int] = (128, 128), entry_block: int = 1
+):
+    """Top-k's masked-block route: a selection (B, G, Lq, k) of keys (``entry_block`` 1) or of key
+    blocks of ``entry_block`` keys (-1 padded, G in {1, Hkv, H}) through the block-sparse kernel.
+    Per query block the key blocks its rows select (the union) are listed, each with the exact
+    bits of every row's selection (full when every row took the whole block), so each selected key
+    row is loaded once per query tile instead of once per query. A key listed twice counts once;
+    under ``causal`` each row keeps the keys it sees (bottom-right). Queries run in chunks whose
+    bits stay within SELECTION_MASK_BYTES."""
+    b, h, lq = query.shape[0], query.shape[1], query.shape[2]
+    lk, g = key.shape[2], indices.shape[1]
+    qb, kvb = block
+    per_block = b * g * -(-lk // kvb) * qb * kvb // 8  # bits of one query block's partial rows, at most
+    rows = max(1, SELECTION_MASK_BYTES // max(per_block, 1)) * qb
+    outs, lses = [], []
+    for r0 in range(0, lq, rows):
+        r1 = min(lq, r0 + rows)
+        num, kvi, kvp, words = _ops._selection_mask.default(
+            indices[:, :, r0:r1], lk, h, qb, kvb, causal, lk - lq + r0, entry_block
+        )
+        m = BlockSparseMask(num, kvi, kvp, words, seq_lengths=(r1 - r0, lk), block_size=block, validate=False)
+        q = query if (r0, r1) == (0, lq) else query[:, :, r0:r1]
+        o, l_ = block_kernel(q, key, value, m, scale)
+        outs.append(o)
+        lses.append(l_)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def can_synchronize(query) -> bool:
+    """Whether a route may read a value on the host: not while tracing or capturing a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (query.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def selection_union(entries, lq: int, lk: int, entry_block: int, causal: bool, block: int = 128) -> float:
+    """The share of the (query block, key block) pairs a selection of key blocks (entries of
+    ``entry_block`` keys, -1 for none) touches, over the pairs the masked route could list: what
+    the block kernel would compute, relative to dense. One pass over the entries and one host read
+    (the cost model's input for selections whose union it cannot know from shapes)."""
+    b, g = entries.shape[0], entries.shape[1]
+    nqb, nkb = -(-lq // block), -(-lk // block)
+    rows = torch.arange(lq, device=entries.device)
+    first = entries.long() * entry_block
+    valid = (entries >= 0) & (first < lk)
+    if causal:
+        valid &= first <= (rows + (lk - lq))[:, None]
+    grid = torch.zeros(b * g * nqb * nkb, dtype=torch.bool, device=entries.device)
+    base = (torch.arange(b * g, device=entries.device).view(b, g, 1, 1) * nqb + (rows // block)[:, None]) * nkb
+    for key in (first, (first + entry_block - 1).clamp(max=lk - 1)):  # an entry spans at most two key blocks
+        grid[(base + key // block)[valid]] = True
+    pairs, _ = selection_mask_size(lq, lk, block, block, causal, lk - lq)
+    return grid.sum().item() / max(1, b * g * pairs)

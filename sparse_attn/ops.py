@@ -275,9 +275,11 @@ def topk_attention(
         (B, G, Lq, k) with G in {1, Hkv, H} (shared by all heads, per K/V head, per query head),
         -1 padded, of keys (``block_size=None``) or of key blocks of ``block_size`` tokens (64 or
         128), per query token. Each query attends to the listed keys (a listed block: all of its
-        keys), under ``causal`` only the visible ones; a key listed twice counts twice. ``k`` is
-        then optional (the selection's last dimension). No selection runs; gradients flow to
-        query, key and value as for a selection made here.
+        keys), under ``causal`` only the visible ones; a key or block listed more than once
+        counts once. ``k`` is then optional (the selection's last dimension). No selection runs;
+        the attention takes the route the cost model picks (gathered rows or the masked block
+        kernel, ``sparse_attn.explain`` says which); gradients flow to query, key and value as
+        for a selection made here.
     return_indices : bool
         Also return the selection, int32, ascending, -1 where fewer than k are visible:
         (B, H, Lq, k) per head, (B, 1, Lq, k) from the indexer, (B, H, nQb, k') key blocks in block
@@ -315,7 +317,20 @@ def topk_attention(
         if any(t is not None for t in (index_query, index_key, index_weights)):
             raise ValueError("indices is a selection made elsewhere: it cannot be combined with the indexer inputs")
         _args.check_inputs(query, key, value)
-        token_indices = _routes.user_selection(query, key, indices, k, block_size, bool(causal))
+        entries = _routes.user_selection(query, key, indices, k, block_size)
+        per_entry = block_size or 1
+        route = _plan.selection_route(query, key, value, indices.shape[1], indices.shape[3] * per_entry, bool(causal))
+        if route.kind == "gather" and block_size is not None and key_lengths is None and _routes.can_synchronize(query):
+            # Key blocks: few entries per row, so their union is cheap to measure (one host read)
+            # and decides between the routes better than shapes alone.
+            union = _routes.selection_union(entries, query.shape[2], key.shape[2], block_size, bool(causal))
+            route = _plan.selection_route(
+                query, key, value, indices.shape[1], indices.shape[3] * per_entry, bool(causal), union=union
+            )
+        if route.kind == "masked_block" and key_lengths is None:
+            out, lse = _routes.selection_blocks(query, key, value, entries, scale, bool(causal), entry_block=per_entry)
+            return _result(out, lse, indices, return_lse, return_indices)
+        token_indices = _routes.selection_tokens(query, key, entries, block_size, bool(causal))
         if key_lengths is not None:  # listed keys past a sequence's length dropped
             lens = _args.key_lengths_on(key_lengths, query, key)
             token_indices = torch.where(token_indices < lens[:, None, None, None], token_indices, -1)
@@ -369,8 +384,17 @@ def topk_attention(
         indices = _ops.indexer_select.default(index_query, index_key, index_weights, k, bool(causal))
     else:
         indices = _ops.topk_select.default(query, key, k, bool(causal))
-    out, lse = _ops.gather_fwd.default(query, key, value, indices, scale)
+    out, lse = _attend_selection(query, key, value, indices, scale, k, bool(causal))
     return _result(out, lse, indices, return_lse, return_indices)
+
+
+def _attend_selection(query, key, value, indices, scale, k, causal):
+    """Attention over a selection of topk_attention's own (distinct keys per row): gathered rows or
+    the masked block kernel, as _plan.selection_route decides."""
+    route = _plan.selection_route(query, key, value, indices.shape[1], k, causal)
+    if route.kind == "masked_block":
+        return _routes.selection_blocks(query, key, value, indices, scale, causal)
+    return _ops.gather_fwd.default(query, key, value, indices, scale)
 
 
 def _topk_with_sinks(
@@ -416,7 +440,7 @@ def _topk_with_sinks(
     token_indices = indices
     if lens is not None:
         token_indices = torch.where(indices < lens[:, None, None, None], indices, -1)
-    out, lse = _ops.gather_fwd.default(query, key, value, token_indices, scale)
+    out, lse = _attend_selection(query, key, value, token_indices, scale, k, causal)
     return _result(out, lse, token_indices, return_lse, return_indices)
 
 

@@ -246,7 +246,8 @@ def test_compiled_training_step_equals_eager(device):
 def test_cuda_deterministic_mode_is_bitwise_repeatable(d, portable):
     """Under torch.use_deterministic_algorithms(True) flash and block-sparse gradients are
     bit-identical over 100 runs (dQ from its own kernel, no atomics) and agree with the default
-    path's; top-k, whose dK and dV are summed with atomics, raises PyTorch's error instead."""
+    path's; top-k runs through the block kernel there (repeatable too), and its gather route, whose
+    dK and dV are summed with atomics, raises PyTorch's error."""
     q, k, v = make_qkv(2, 8, 2, 700, 700, d, device="cuda", seed=4)
     g = torch.randn(2, 8, 700, d, generator=torch.Generator().manual_seed(3)).bfloat16().cuda()
     mask = patterns.random_blocks(700, 0.3, seed=1, heads=8, block_size=128).to("cuda")
@@ -262,8 +263,14 @@ def test_cuda_deterministic_mode_is_bitwise_repeatable(d, portable):
                 for _ in range(99):
                     for a, b in zip(first, _grads(fn, q, k, v, g), strict=True):
                         assert torch.equal(a, b)
-                with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
-                    sparse_attn.topk_attention(q.requires_grad_(True), k, v, 64).sum().backward()
+                # top-k takes the masked block route there (its backward is the block kernel's)
+                topk = lambda a, b, c: sparse_attn.topk_attention(a, b, c, 64, return_lse=True)  # noqa: E731
+                once = _grads(topk, q, k, v, g)
+                for a, b in zip(once, _grads(topk, q, k, v, g), strict=True):
+                    assert torch.equal(a, b)
+                with sparse_attn._plan.overrides(topk_attention_route="gather"):
+                    with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+                        sparse_attn.topk_attention(q.requires_grad_(True), k, v, 64).sum().backward()
             finally:
                 torch.use_deterministic_algorithms(False)
                 q.requires_grad_(False)

@@ -121,10 +121,17 @@ def test_block_matrix_and_flex_masks_take_the_block_kernel():
 
 def test_topk_routes():
     q, k, v = _qkv(lq=300, lk=300, d=64)
-    plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 32, causal=True)
+    with overrides(topk_attention_route="gather"):
+        plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 32, causal=True)
     assert plan.route == "token_topk" and [x.kernel for x in plan.launches] == ["topk_select", "gather_fwd"]
+    with overrides(topk_attention_route="masked_block"):
+        plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 32, causal=True)
+    assert [x.kernel for x in plan.launches] == ["topk_select", "selection_mask", "block_sparse_fwd"]
     iq, ik, iw = torch.randn(2, 300, 4, 64), torch.randn(2, 300, 64), torch.randn(2, 300, 4)
-    plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 32, index_query=iq, index_key=ik, index_weights=iw)
+    with overrides(topk_attention_route="gather"):
+        plan = sparse_attn.explain(
+            sparse_attn.topk_attention, q, k, v, 32, index_query=iq, index_key=ik, index_weights=iw
+        )
     assert plan.route == "indexer_topk" and [x.kernel for x in plan.launches] == ["indexer_select", "gather_fwd"]
     plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 2, block_size=128)
     assert plan.route == "block_topk" and plan.launches[1].kernel == "block_sparse_fwd"
@@ -236,13 +243,14 @@ def test_schedules_and_tile_overrides():
 def test_gather_heads_per_warp(h, hkv, heads_per_warp):
     q, k, v = make_qkv(1, h, hkv, 256, 256, 128)
     iq, ik, iw = torch.randn(1, 256, 2, 32), torch.randn(1, 256, 32), torch.randn(1, 256, 2)
-    plan = sparse_attn.explain(
-        sparse_attn.topk_attention, q, k, v, 16, index_query=iq, index_key=ik, index_weights=iw, target="sm90"
-    )
-    gather = plan.launches[1]
-    assert gather.core == "portable" and gather.options["heads_per_warp"] == heads_per_warp
-    plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 16, target="sm90")  # per-head selection
-    assert plan.launches[1].options["heads_per_warp"] == 1
+    with overrides(topk_attention_route="gather"):
+        plan = sparse_attn.explain(
+            sparse_attn.topk_attention, q, k, v, 16, index_query=iq, index_key=ik, index_weights=iw, target="sm90"
+        )
+        gather = plan.launches[1]
+        assert gather.core == "portable" and gather.options["heads_per_warp"] == heads_per_warp
+        plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 16, target="sm90")  # per-head selection
+        assert plan.launches[1].options["heads_per_warp"] == 1
 
 
 def test_select_plans():

@@ -564,7 +564,8 @@ def test_bad_k_raises(bad, exc, mode):
 
 
 def _user_reference(q, k, v, sel, block_size, causal):
-    """fp64 attention over each query's listed keys (blocks expanded), causal applied, duplicates counted."""
+    """fp64 attention over each query's listed keys (blocks expanded), causal applied, a key listed
+    more than once counted once."""
     b, h, lq, _ = q.shape
     lk = k.shape[2]
     g = sel.shape[1]
@@ -575,7 +576,7 @@ def _user_reference(q, k, v, sel, block_size, causal):
     counts = torch.zeros(b, h, lq, lk + 1, dtype=torch.float64)
     tok = torch.where((tok >= 0) & (tok < lk), tok, lk)
     counts.scatter_add_(-1, tok, torch.ones_like(tok, dtype=torch.float64))
-    counts = counts[..., :lk]
+    counts = counts[..., :lk].clamp(max=1)
     if causal:
         counts = counts * sparse_attn.reference.causal_mask(lq, lk).double()
     kk = k.double().repeat_interleave(h // k.shape[1], dim=1)
@@ -586,34 +587,41 @@ def _user_reference(q, k, v, sel, block_size, causal):
     return torch.where(den > 0, (w @ vv) / den.clamp_min(1e-300), 0.0)
 
 
+@pytest.mark.parametrize("route", ["gather", "masked_block"])
 @pytest.mark.parametrize("g", [1, 2, 4])
-@pytest.mark.parametrize("block_size", [None, 64])
+@pytest.mark.parametrize("block_size", [None, 64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_user_selection(device, g, block_size, causal):
-    b, h, hkv, lq, lk, d = 2, 4, 2, 70, 200, 64
+def test_user_selection(device, g, block_size, causal, route):
+    """Both routes, entries repeated and out of range, Lq < Lk (bottom-right causal)."""
+    b, h, hkv, lq, lk, d = 2, 4, 2, 70, 300, 64
     gen = torch.Generator().manual_seed(g * 10 + (block_size or 0) + causal)
     q = torch.randn(b, h, lq, d, generator=gen)
     k = torch.randn(b, hkv, lk, d, generator=gen)
     v = torch.randn(b, hkv, lk, d, generator=gen)
     n_units = lk if block_size is None else -(-lk // block_size)
-    sel = torch.randint(-1, n_units, (b, g, lq, 5 if block_size is None else 2), generator=gen).to(torch.int32)
+    width = 9 if block_size is None else 3
+    sel = torch.randint(-1, n_units + 1, (b, g, lq, width), generator=gen).to(torch.int32)
+    sel[..., -1] = sel[..., 0]  # a repeat in every row
     gold = _user_reference(q, k, v, sel, block_size, causal)
     dev = [t.to(device) for t in (q, k, v, sel)]
-    out, idx = sparse_attn.topk_attention(
-        dev[0], dev[1], dev[2], indices=dev[3], block_size=block_size, causal=causal, return_indices=True
-    )
+    with overrides(topk_attention_route=route):
+        out, idx = sparse_attn.topk_attention(
+            dev[0], dev[1], dev[2], indices=dev[3], block_size=block_size, causal=causal, return_indices=True
+        )
     assert torch.equal(idx.cpu(), sel)
     torch.testing.assert_close(out.cpu().double(), gold, atol=2e-5, rtol=2e-5)
 
 
-def test_user_selection_gradients(device):
+@pytest.mark.parametrize("route", ["gather", "masked_block"])
+def test_user_selection_gradients(device, route):
     b, h, lq, lk, d = 1, 2, 12, 40, 32
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(b, h, n, d, generator=gen) for n in (lq, lk, lk))
     sel = torch.randint(-1, lk, (b, 1, lq, 6), generator=gen).to(torch.int32)
     ours = [t.to(device).requires_grad_() for t in (q, k, v)]
     gold = [t.double().requires_grad_() for t in (q, k, v)]
-    out = sparse_attn.topk_attention(*ours, indices=sel.to(device), causal=True)
+    with overrides(topk_attention_route=route):
+        out = sparse_attn.topk_attention(*ours, indices=sel.to(device), causal=True)
     ref = _user_reference(*gold, sel, None, True)
     dout = torch.randn(ref.shape, generator=gen)
     got = torch.autograd.grad(out, ours, dout.to(device))

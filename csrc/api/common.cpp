@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include "sparse_attn/selection_mask.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -325,6 +327,62 @@ void set_params_gather(AttnFwdParams& params, const at::Tensor& query, const Qkv
   params.h_idx = int(hi);
   params.h_per_idx = hi > 0 ? int(s.h / hi) : 1;
   params.topk = int(indices.size(3));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_mask(
+    SelectionMaskParams& params, at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block,
+    int64_t kv_block, bool causal, int64_t row_offset, int64_t entry_block) {
+  check_int32(indices, "indices");
+  TORCH_CHECK(entry_block == 1 || entry_block == 64 || entry_block == 128,
+              "entry_block must be 1 (keys), 64 or 128 (key blocks), got ", entry_block);
+  TORCH_CHECK(indices.dim() == 4, "indices must be 4-D (B, G, Lq, k), got ", indices.sizes());
+  TORCH_CHECK((q_block == 64 || q_block == 128) && (kv_block == 64 || kv_block == 128),
+              "q_block and kv_block must be 64 or 128, got ", q_block, " and ", kv_block);
+  TORCH_CHECK(key_length > 0 && key_length <= INT_MAX, "key_length must be in [1, 2^31), got ", key_length);
+  const int64_t b = indices.size(0), g = indices.size(1), lq = indices.size(2), k = indices.size(3);
+  TORCH_CHECK(g > 0 && heads > 0 && heads % g == 0, "heads (", heads, ") must be a multiple of the groups (", g, ")");
+  TORCH_CHECK(lq <= INT_MAX && k <= INT_MAX && b <= 65535 && g <= 65535, "indices too large: ", indices.sizes());
+  const int64_t nkb = (key_length + kv_block - 1) / kv_block, nqb = (lq + q_block - 1) / q_block;
+  TORCH_CHECK(nkb <= 4000, "key_length ", key_length, " has more than 4000 key blocks of ", kv_block);
+  indices = indices.stride(-1) == 1 ? indices : indices.contiguous();
+  int64_t pairs = 0, max_kb = 0;
+  for (int64_t qb = 0; qb < nqb; ++qb) {
+    const int cap = selection_block_cap(int(qb), int(lq), int(q_block), int(kv_block), int(nkb), causal, row_offset);
+    pairs += cap;
+    max_kb = std::max<int64_t>(max_kb, cap);
+  }
+  const int64_t out_heads = g == 1 ? 1 : heads;
+  const auto i32 = indices.options().dtype(at::kInt);
+  at::Tensor num = at::empty({b, out_heads, nqb}, i32);
+  at::Tensor kvi = at::empty({b, out_heads, nqb, max_kb}, i32);
+  at::Tensor kvp = at::empty({b, out_heads, nqb, max_kb}, i32);
+  at::Tensor words = at::zeros({b * g * pairs, q_block, kv_block / 32}, i32);
+  params = {};
+  params.indices = indices.data_ptr<int32_t>();
+  params.entry_block = int(entry_block);
+  params.idx_batch_stride = indices.stride(0);
+  params.idx_group_stride = indices.stride(1);
+  params.idx_row_stride = indices.stride(2);
+  params.b = int(b);
+  params.g = int(g);
+  params.lq = int(lq);
+  params.k = int(k);
+  params.lk = int(key_length);
+  params.q_block = int(q_block);
+  params.kv_block = int(kv_block);
+  params.nqb = int(nqb);
+  params.nkb = int(nkb);
+  params.max_kb = int(max_kb);
+  params.heads_per_group = int(out_heads / g);
+  params.out_heads = int(out_heads);
+  params.causal = causal;
+  params.row_offset = row_offset;
+  params.pairs = pairs;
+  params.kv_num_blocks = num.data_ptr<int32_t>();
+  params.kv_indices = kvi.data_ptr<int32_t>();
+  params.kv_partial = kvp.data_ptr<int32_t>();
+  params.words = reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>());
+  return {num, kvi, kvp, words};
 }
 
 at::Tensor set_params_select(TopkSelectParams& params, const at::Tensor& query, const at::Tensor& key,

@@ -71,6 +71,14 @@ BwdTensors set_params_bwd(AttnBwdParams& params, const at::Tensor& query, const 
                           const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
                           const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse);
 
+// _selection_mask's checks and outputs (sparse_attn/selection_mask.h): indices (B, G, Lq, k) int32
+// with G dividing heads; the outputs allocated (partial_masks zeroed) and the params pointing
+// into them. Returns (kv_num_blocks, kv_indices, kv_partial, partial_masks).
+struct SelectionMaskParams;
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_mask(
+    SelectionMaskParams& params, at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block,
+    int64_t kv_block, bool causal, int64_t row_offset, int64_t entry_block);
+
 // Visible band from the user's causal flag and window; -1 is unbounded.
 void set_params_window(AttnFwdParams& params, bool causal, int64_t window_left, int64_t window_right);
 

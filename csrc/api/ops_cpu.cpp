@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "sparse_attn/cpu/attention_cpu.h"
+#include "sparse_attn/selection_mask.h"
 
 namespace sparse_attn {
 namespace {
@@ -112,6 +113,19 @@ std::tuple<at::Tensor, at::Tensor> gather_fwd_cpu(const at::Tensor& query, const
   return {out, lse};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cpu(const at::Tensor& indices,
+                                                                              int64_t key_length, int64_t heads,
+                                                                              int64_t q_block, int64_t kv_block,
+                                                                              bool causal, int64_t row_offset, int64_t entry_block) {
+  check_cpu(indices);
+  at::Tensor idx = indices;
+  SelectionMaskParams params;
+  auto out = set_params_selection_mask(params, idx, key_length, heads, q_block, kv_block, causal, row_offset,
+                                       entry_block);
+  cpu::selection_mask(params);
+  return out;
+}
+
 at::Tensor topk_select_cpu(const at::Tensor& query, const at::Tensor& key, int64_t k, bool causal) {
   TopkSelectParams params;
   at::Tensor out = set_params_select(params, query, key, k, causal);
@@ -191,6 +205,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CPU, m) {
   m.impl("block_sparse_fwd", &block_sparse_fwd_cpu);
   m.impl("gather_fwd", &gather_fwd_cpu);
   m.impl("topk_select", &topk_select_cpu);
+  m.impl("_selection_mask", &selection_mask_cpu);
   m.impl("indexer_select", &indexer_select_cpu);
 }
 

@@ -198,6 +198,20 @@ at::Tensor topk_select_cuda(const at::Tensor& query, const at::Tensor& key, int6
   return run_select(params, out, query);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cuda(const at::Tensor& indices,
+                                                                               int64_t key_length, int64_t heads,
+                                                                               int64_t q_block, int64_t kv_block,
+                                                                               bool causal, int64_t row_offset, int64_t entry_block) {
+  check_cuda(indices);
+  const c10::cuda::CUDAGuard guard(indices.device());
+  at::Tensor idx = indices;
+  SelectionMaskParams params;
+  auto out = set_params_selection_mask(params, idx, key_length, heads, q_block, kv_block, causal, row_offset,
+                                       entry_block);
+  check_launch(run_selection_mask(params, c10::cuda::getCurrentCUDAStream()), "selection_mask");
+  return out;
+}
+
 at::Tensor indexer_select_cuda(const at::Tensor& index_query, const at::Tensor& index_key,
                                const at::Tensor& index_weights, int64_t k, bool causal) {
   TopkSelectParams params;
@@ -449,6 +463,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
   m.impl("gather_bwd", &gather_bwd_cuda);
   m.impl("gather_fwd", &gather_fwd_cuda);
   m.impl("topk_select", &topk_select_cuda);
+  m.impl("_selection_mask", &selection_mask_cuda);
   m.impl("indexer_select", &indexer_select_cuda);
   m.impl("flash_fwd", &flash_fwd_cuda);
   m.impl("block_sparse_fwd", &block_sparse_fwd_cuda);

@@ -33,6 +33,14 @@ TORCH_LIBRARY(sparse_attn, m) {
       "indexer_select(Tensor index_query, Tensor index_key, Tensor index_weights, int k, "
       "bool causal=False) -> Tensor");
 
+  // A selection (B, G, Lq, k) of keys (entry_block 1) or key blocks as a block-sparse mask
+  // (sparse_attn/selection_mask.h): top-k's masked-block route. Under causal, local row i sees keys
+  // j <= i + row_offset.
+  m.def(
+      "_selection_mask(Tensor indices, int key_length, int heads, int q_block, int kv_block, bool causal, "
+      "int row_offset, int entry_block=1) -> (Tensor kv_num_blocks, Tensor kv_indices, Tensor kv_partial, "
+      "Tensor partial_masks)");
+
   // attention_with_kvcache on CUDA (the CPU and other layouts take the Python composite path):
   // appends key/value into the caches in place, then attends over cache + new tokens.
   m.def(

@@ -9,6 +9,7 @@
 
 #include "sparse_attn/params.h"
 #include "sparse_attn/plan.h"
+#include "sparse_attn/selection_mask.h"
 
 namespace sparse_attn {
 
@@ -22,5 +23,9 @@ cudaError_t run_topk_score_(const TopkSelectParams& params, int64_t tiles, cudaS
 // tiles [params.tile_begin, ...) that run_topk_score_ filled.
 template <ScalarKind kDtype>
 cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaStream_t stream);
+
+// A selection as a block-sparse mask (selection_mask.h): one CTA of q_block threads per
+// (query block, group, batch); p.words zeroed beforehand.
+cudaError_t run_selection_mask(const SelectionMaskParams& p, cudaStream_t stream);
 
 }  // namespace sparse_attn
