@@ -137,11 +137,8 @@ def _attend(q, k, v, idx, k_tokens, entry_block):
 
 
 def _auto_route(q, k, v, idx, k_tokens, entry_block):
-    union = None
-    if entry_block is not None:
-        entries = _routes.user_selection(q, k, idx, None, entry_block)
-        union = _routes.selection_union(entries, q.shape[2], k.shape[2], entry_block, True)
-    return _plan.selection_route(q, k, v, idx.shape[1], k_tokens, True, union=union).kind
+    entries = idx if entry_block is None else _routes.user_selection(q, k, idx, None, entry_block)
+    return _plan.measured_selection_route(q, k, v, entries, k_tokens, True, entry_block or 1).kind
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,13 +157,36 @@ def selection_route(
         pairs = "every visible pair" if union is None else f"the measured union ({union:.3f} of the pairs)"
         estimate = f"estimated gather {gather * 1e3:.3g} ms, block kernel over {pairs} {block * 1e3:.3g} ms"
     if gather <= block:
-        return Route("gather", (), f"gathered rows cost less than the block kernel ({estimate})")
+        return Route("gather", (gather,), f"gathered rows cost less than the block kernel ({estimate})")
     return Route(
         "masked_block",
         (),
         f"the union of each query block's selections through the block-sparse kernel, partial blocks masked to "
         f"each row's keys: rows loaded once per query tile ({estimate})",
     )
+
+
+# Measuring a selection's union costs about one pass over its entries (bytes/s below); an eager
+# call measures it when that is at most _UNION_MEASURE_SHARE of the gather it may replace.
+_UNION_MEASURE_SHARE = 0.05
+_UNION_MEASURE_BYTES_PER_S = {"cuda": 0.15e12, "cpu": 0.25e9}
+
+
+def measured_selection_route(query, key, value, entries, k_tokens: int, causal: bool, entry_block: int = 1) -> Route:
+    """selection_route; then, where it chose the gather and a selection's union could beat it, in an
+    eager call (no tracing, no graph capture), the union measured (_routes.selection_union: one pass
+    over the entries and one host read) and the choice made again with it. Clustered selections
+    (sinks, local windows, blocks a query tile shares) touch few key blocks; shapes cannot tell."""
+    from . import _routes
+
+    route = selection_route(query, key, value, entries.shape[1], k_tokens, causal)
+    if route.kind != "gather" or not route.args or not _routes.can_synchronize(query):
+        return route
+    rate = _UNION_MEASURE_BYTES_PER_S["cuda" if query.device.type == "cuda" else "cpu"]
+    if entries.numel() * 8 / rate > _UNION_MEASURE_SHARE * route.args[0]:
+        return route
+    union = _routes.selection_union(entries, query.shape[2], key.shape[2], entry_block, causal)
+    return selection_route(query, key, value, entries.shape[1], k_tokens, causal, union=union)
 
 
 # ------------------------------------------------------------------------------------ plans

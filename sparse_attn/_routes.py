@@ -292,20 +292,26 @@ def can_synchronize(query) -> bool:
 
 
 def selection_union(entries, lq: int, lk: int, entry_block: int, causal: bool, block: int = 128) -> float:
-    """The share of the (query block, key block) pairs a selection of key blocks (entries of
-    ``entry_block`` keys, -1 for none) touches, over the pairs the masked route could list: what
-    the block kernel would compute, relative to dense. One pass over the entries and one host read
-    (the cost model's input for selections whose union it cannot know from shapes)."""
+    """The share of the (query block, key block) pairs a selection (entries of ``entry_block`` keys,
+    -1 for none) touches, over the pairs the masked route could list: what the block kernel would
+    compute, relative to dense. A few passes over the entries and one host read (the cost model's
+    input for selections whose union it cannot know from shapes)."""
     b, g = entries.shape[0], entries.shape[1]
     nqb, nkb = -(-lq // block), -(-lk // block)
-    rows = torch.arange(lq, device=entries.device)
-    first = entries.long() * entry_block
-    valid = (entries >= 0) & (first < lk)
+    dev = entries.device
+    valid = (entries >= 0) & (entries < -(-lk // entry_block))  # tested before the product can overflow
+    first = torch.where(valid, entries, 0) * entry_block
     if causal:
-        valid &= first <= (rows + (lk - lq))[:, None]
-    grid = torch.zeros(b * g * nqb * nkb, dtype=torch.bool, device=entries.device)
-    base = (torch.arange(b * g, device=entries.device).view(b, g, 1, 1) * nqb + (rows // block)[:, None]) * nkb
-    for key in (first, (first + entry_block - 1).clamp(max=lk - 1)):  # an entry spans at most two key blocks
-        grid[(base + key // block)[valid]] = True
+        valid &= first <= (torch.arange(lq, device=dev, dtype=torch.int32) + (lk - lq))[:, None]
+    # One row of nkb + 1 flags per (b, g, query block); invalid entries land in the last column.
+    cols = nkb + 1
+    base = (
+        torch.arange(b * g, device=dev).view(b, g, 1, 1) * nqb + (torch.arange(lq, device=dev) // block)[:, None]
+    ) * cols
+    grid = torch.zeros(b * g * nqb * cols, dtype=torch.bool, device=dev)
+    ends = (first,) if entry_block <= 1 else (first, (first + entry_block - 1).clamp(max=lk - 1))
+    for key in ends:  # an entry spans at most two key blocks
+        grid[base + torch.where(valid, key // block, nkb)] = True
+    touched = grid.view(-1, cols)[:, :nkb].sum()
     pairs, _ = selection_mask_size(lq, lk, block, block, causal, lk - lq)
-    return grid.sum().item() / max(1, b * g * pairs)
+    return touched.item() / max(1, b * g * pairs)

@@ -319,14 +319,8 @@ def topk_attention(
         _args.check_inputs(query, key, value)
         entries = _routes.user_selection(query, key, indices, k, block_size)
         per_entry = block_size or 1
-        route = _plan.selection_route(query, key, value, indices.shape[1], indices.shape[3] * per_entry, bool(causal))
-        if route.kind == "gather" and block_size is not None and key_lengths is None and _routes.can_synchronize(query):
-            # Key blocks: few entries per row, so their union is cheap to measure (one host read)
-            # and decides between the routes better than shapes alone.
-            union = _routes.selection_union(entries, query.shape[2], key.shape[2], block_size, bool(causal))
-            route = _plan.selection_route(
-                query, key, value, indices.shape[1], indices.shape[3] * per_entry, bool(causal), union=union
-            )
+        tokens = indices.shape[3] * per_entry
+        route = _plan.measured_selection_route(query, key, value, entries, tokens, bool(causal), per_entry)
         if route.kind == "masked_block" and key_lengths is None:
             out, lse = _routes.selection_blocks(query, key, value, entries, scale, bool(causal), entry_block=per_entry)
             return _result(out, lse, indices, return_lse, return_indices)
@@ -391,7 +385,7 @@ def topk_attention(
 def _attend_selection(query, key, value, indices, scale, k, causal):
     """Attention over a selection of topk_attention's own (distinct keys per row): gathered rows or
     the masked block kernel, as _plan.selection_route decides."""
-    route = _plan.selection_route(query, key, value, indices.shape[1], k, causal)
+    route = _plan.measured_selection_route(query, key, value, indices, k, causal)
     if route.kind == "masked_block":
         return _routes.selection_blocks(query, key, value, indices, scale, causal)
     return _ops.gather_fwd.default(query, key, value, indices, scale)

@@ -239,3 +239,19 @@ def test_selection_mask_of_key_blocks_equals_their_keys(entry_block, kv_block, c
     want = _ops._selection_mask(tok.to(device), *args, 1)
     for a, w in zip(got, want, strict=True):
         assert torch.equal(a.cpu(), w.cpu())
+
+
+def test_measured_union_picks_the_block_route_for_clustered_selections(monkeypatch):
+    """Shapes alone pick the gather (k is small against the keys); a selection confined to the
+    first key block (sinks) touches one block per query block, and its measured union turns the
+    choice; a random selection of the same size keeps the gather."""
+    monkeypatch.setitem(_plan._UNION_MEASURE_BYTES_PER_S, "cpu", 1e15)  # measuring made free
+    q, kk, v = make_qkv(1, 4, 4, 2048, 2048, 64, dtype=torch.float32, seed=8)
+    sinks = torch.arange(16, dtype=torch.int32).expand(1, 4, 2048, 16).contiguous()
+    spread = random_selection(1, 4, 2048, 2048, 16, True, seed=9, device="cpu", pad=0.0)
+    assert _plan.selection_route(q, kk, v, 4, 16, True).kind == "gather"
+    assert _plan.measured_selection_route(q, kk, v, sinks, 16, True).kind == "masked_block"
+    assert _plan.measured_selection_route(q, kk, v, spread, 16, True).kind == "gather"
+    assert _routes.selection_union(sinks, 2048, 2048, 1, True) == pytest.approx(16 / 136)
+    monkeypatch.setitem(_plan._UNION_MEASURE_BYTES_PER_S, "cpu", 1.0)  # measuring too dear: shapes decide
+    assert _plan.measured_selection_route(q, kk, v, sinks, 16, True).kind == "gather"
