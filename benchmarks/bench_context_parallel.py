@@ -1,7 +1,9 @@
 """Context parallelism on the GPUs of one host: sparse_attn.distributed.context_parallel_attention (ring,
 zigzag layout) against one GPU's flash_attention and SDPA cuDNN on the whole sequence, and against
 PyTorch's context-parallel SDPA (torch.distributed.tensor.experimental.context_parallel) on the same
-GPUs, in one run (bf16, B = 1, H = Hkv = 16, D = 128, causal).
+GPUs, in one run (bf16, B = 1, H = Hkv = 16, D = 128, causal); then block-sparse masks
+(context_parallel_block_sparse_attention) and indexer top-k (context_parallel_topk_attention, one K/V
+head, k = 2048) against one GPU on the same inputs (``--tables`` picks).
 
 Times: median of --reps calls, each the slowest rank's (CUDA events, barrier before each call).
 Memory: peak bytes allocated during a forward call on a rank (inputs included), against one GPU's.
@@ -171,11 +173,43 @@ def measure_sparse(length: int, reps: int) -> list[tuple[str, float, float]]:
     return out
 
 
+def measure_topk(length: int, reps: int, k: int = 2048) -> list[tuple[str, float, float, float]]:
+    """One GPU's topk_attention with the lightning indexer (HI = 4, DI = 64; one K/V head, 16 query
+    heads, as DeepSeek's sparse attention) against context_parallel_topk_attention on the same
+    inputs, both exchanges; (name, one GPU ms, CP ms, CP peak memory / one GPU's)."""
+    g = torch.Generator(device="cuda").manual_seed(length)
+    q = torch.randn(B, H, length, D, device="cuda", dtype=DT, generator=g)
+    k_, v = (torch.randn(B, 1, length, D, device="cuda", dtype=DT, generator=g) for _ in range(2))
+    iq = torch.randn(B, length, 4, 64, device="cuda", dtype=DT, generator=g)
+    ik = torch.randn(B, length, 64, device="cuda", dtype=DT, generator=g)
+    iw = torch.rand(B, length, 4, device="cuda", dtype=DT, generator=g)
+
+    def one():
+        return sparse_attn.topk_attention(q, k_, v, k, causal=True, index_query=iq, index_key=ik, index_weights=iw)
+
+    ql, kl, vl = (cp.shard_sequence(t) for t in (q, k_, v))
+    iql, ikl, iwl = (cp.shard_sequence(t, dim=1) for t in (iq, ik, iw))
+    t_one = timed(one, reps)
+    mem_one = peak_bytes(one) + sum(t.numel() * 2 for t in (q, k_, v, iq, ik, iw))
+    out = []
+    for method in ("alltoall", "allgather"):
+
+        def ours(method=method):
+            return cp.context_parallel_topk_attention(
+                ql, kl, vl, k, causal=True, index_query=iql, index_key=ikl, index_weights=iwl, method=method
+            )
+
+        mem = peak_bytes(ours) + sum(t.numel() * 2 for t in (ql, kl, vl, iql, ikl, iwl))
+        out.append((f"top-k {method}", t_one, timed(ours, reps), mem / mem_one))
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json")
+    parser.add_argument("--tables", nargs="+", default=["flash", "sparse", "topk"], choices=["flash", "sparse", "topk"])
     args = parser.parse_args(argv)
     if "RANK" not in os.environ:
         print("run under torchrun: torchrun --nproc_per_node 2 benchmarks/bench_context_parallel.py", file=sys.stderr)
@@ -194,7 +228,7 @@ def main(argv=None) -> int:
             f"{'L':>8} {'1 GPU ours':>10} {'1 GPU cuDNN':>11} {'CP ours':>8} {'torch CP':>8} "
             f"{'speedup':>7} {'vs torch':>8} {'fwd+bwd 1':>9} {'fwd+bwd CP':>10} {'mem':>5}"
         )
-    for length in args.lengths:
+    for length in args.lengths if "flash" in args.tables else ():
         row = measure(length, args.reps, mesh, world, bw)
         rows.append(row)
         if rank == 0:
@@ -204,13 +238,21 @@ def main(argv=None) -> int:
                 f"{row['fwd_bwd_one_ms']:>9.2f} {row['fwd_bwd_cp_ms']:>10.2f} {row['mem_ratio']:>5.2f}"
             )
         torch.cuda.empty_cache()
-    for length in args.lengths:
+    for length in args.lengths if "sparse" in args.tables else ():
         for name, one, ours in measure_sparse(length, args.reps):
             rows.append(dict(length=length, world=world, table=name, one_ms=one, cp_ms=ours, speedup=one / ours))
             if rank == 0:
                 print(f"{name} {length}: one GPU {one:.2f} ms, CP {ours:.2f} ms: {one / ours:.2f}x")
         torch.cuda.empty_cache()
-    if rank == 0:
+    for length in args.lengths if "topk" in args.tables else ():
+        for name, one, ours, mem in measure_topk(length, args.reps):
+            rows.append(
+                dict(length=length, world=world, table=name, one_ms=one, cp_ms=ours, speedup=one / ours, mem_ratio=mem)
+            )
+            if rank == 0:
+                print(f"{name} {length}: one GPU {one:.2f} ms, CP {ours:.2f} ms: {one / ours:.2f}x, memory {mem:.2f}")
+        torch.cuda.empty_cache()
+    if rank == 0 and any("one_cudnn_ms" in r for r in rows):
         # Projection: P ranks, zigzag causal: P ring steps of (measured compute per step) overlapped with
         # one K/V shard transfer each.
         last = [r for r in rows if "one_cudnn_ms" in r][-1]
@@ -226,9 +268,9 @@ def main(argv=None) -> int:
                     f"projection P={p} L={big}: step compute {step * 1e3:.1f} ms, K/V transfer {xfer * 1e3:.1f} ms "
                     f"-> {one / total:.2f}x one GPU"
                 )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     dist.destroy_process_group()
     return 0
 

@@ -24,10 +24,17 @@ Two schedules (``method``), chosen by :func:`plan_context_parallel` unless given
 
 Every step runs ``flash_attention``'s kernels on views of the chunks (bottom-right alignment and
 window bounds computed per pair of chunks, so no element mask is needed).
+
+:func:`context_parallel_block_sparse_attention` takes a global mask (each rank its rows, the key
+blocks they touch fetched by an all-to-all), :func:`context_parallel_topk_attention` top-k over the
+whole sequence (selection against every key, the named K/V rows fetched from their owners).
+``group`` may be a one-dimensional ``DeviceMesh``, and the three ops take DTensors sharded along the
+sequence and return DTensors.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,6 +46,7 @@ from . import _args
 __all__ = [
     "context_parallel_attention",
     "context_parallel_block_sparse_attention",
+    "context_parallel_topk_attention",
     "gather_sequence",
     "plan_context_parallel",
     "shard_sequence",
@@ -67,8 +75,69 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _process_group(group):
+    """``group`` as a ProcessGroup: None (the world), a ProcessGroup, or a one-dimensional
+    ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a larger mesh)."""
+    if group is None or not hasattr(group, "get_group"):
+        return group
+    if group.ndim != 1:
+        raise ValueError(
+            f"group must be a one-dimensional DeviceMesh (e.g. mesh['cp']), got one of {group.ndim} dimensions"
+        )
+    return group.get_group()
+
+
+def _with_dtensors(fn):
+    """Lets ``fn(query, key, value, ...)`` take DTensors sharded along the sequence (``Shard(2)``
+    on a one-dimensional mesh, ``Shard(1)`` for the indexer's (B, L, ...) tensors): their local
+    shards run with the mesh's group and the contiguous layout (DTensor's), and every returned
+    tensor comes back as a DTensor sharded along dim 2. A ``group`` argument may be a DeviceMesh."""
+
+    @functools.wraps(fn)
+    def wrapper(query, key, value, *args, **kwargs):
+        if "group" in kwargs:
+            kwargs["group"] = _process_group(kwargs["group"])
+        try:
+            from torch.distributed.tensor import DTensor, Shard
+        except ImportError:  # a torch without DTensor
+            return fn(query, key, value, *args, **kwargs)
+        if not isinstance(query, DTensor):
+            return fn(query, key, value, *args, **kwargs)
+        mesh = query.device_mesh
+        if mesh.ndim != 1:
+            raise ValueError(f"query: a DTensor on a one-dimensional mesh, got a mesh of {mesh.ndim} dimensions")
+        if kwargs.get("layout", "contiguous") != "contiguous":
+            raise ValueError("DTensors are sharded in contiguous chunks: layout must be 'contiguous' for them")
+        world = mesh.size()
+
+        def local(name, t, dim):
+            if not isinstance(t, DTensor) or t.device_mesh != mesh or tuple(t.placements) != (Shard(dim),):
+                raise ValueError(f"{name} must be a DTensor on query's mesh with placements (Shard({dim}),)")
+            if t.shape[dim] % world:
+                raise ValueError(
+                    f"{name}: a sequence of {t.shape[dim]} tokens over {world} ranks: DTensor's uneven shards differ "
+                    "from this module's layouts; use a length divisible by the mesh size"
+                )
+            return t.to_local()
+
+        q, k, v = (local(n, t, 2) for n, t in (("query", query), ("key", key), ("value", value)))
+        for name in ("index_query", "index_key", "index_weights"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = local(name, kwargs[name], 1)
+        kwargs.update(group=mesh.get_group(), layout="contiguous")
+        result = fn(q, k, v, *args, **kwargs)
+
+        def wrap(t):
+            return DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
+
+        return tuple(wrap(t) for t in result) if isinstance(result, tuple) else wrap(result)
+
+    return wrapper
+
+
 def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
     """This rank's shard of a whole sequence ``x`` (the same tensor on every rank), along ``dim``."""
+    group = _process_group(group)
     rank, world = _group_info(group)
     parts = [x.narrow(dim, off, n) for off, n in chunk_bounds(x.shape[dim], world, layout)[rank]]
     return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
@@ -76,6 +145,7 @@ def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: 
 
 def gather_sequence(x: torch.Tensor, seq_len: int, *, group=None, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
     """The whole sequence from every rank's shard ``x`` (an all-gather; differentiable)."""
+    group = _process_group(group)
     _, world = _group_info(group)
     return _gather(x, chunk_bounds(seq_len, world, layout), group, dim)
 
@@ -332,6 +402,7 @@ def _allgather_attention(q, k, v, bounds, rank, seq_len, scale, left, right, gro
 
 
 # ---------------------------------------------------------------------------------------------- API
+@_with_dtensors
 def context_parallel_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -512,6 +583,7 @@ def _compact_rows(mask, q0: int, lq: int, compact: torch.Tensor, lk: int):
     )
 
 
+@_with_dtensors
 def context_parallel_block_sparse_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -598,3 +670,167 @@ def context_parallel_block_sparse_attention(
         lses.append(lse)
     out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
     return (out, lse) if return_lse else out
+
+
+# -------------------------------------------------------------------------------------------- top-k
+def _owners(bounds, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L,) owner rank and (L,) row in the owner's shard of every position of the sequence."""
+    owner = torch.empty(seq_len, dtype=torch.int64)
+    row = torch.empty(seq_len, dtype=torch.int64)
+    for r, chunks in enumerate(bounds):
+        for off, at, n in _local_chunks(chunks):
+            owner[off : off + n] = r
+            row[off : off + n] = torch.arange(at, at + n)
+    return owner.to(device), row.to(device)
+
+
+def _fetch_rows(needed: torch.Tensor, owner, row, rank: int, world: int, group):
+    """The rows of other ranks' shards at global positions ``needed`` (ascending, none of them this
+    rank's): which rows each rank sends whom (one all-to-all of counts, one of row numbers), as
+    (rows of this shard to send, send sizes, receive sizes, positions received in order)."""
+    dev = needed.device
+    src = owner[needed]
+    need_counts = torch.bincount(src, minlength=world)
+    recv_sizes = need_counts.tolist()
+    send_counts = torch.empty_like(need_counts)
+    dist.all_to_all_single(send_counts, need_counts, group=group)
+    send_sizes = send_counts.tolist()
+    order = torch.argsort(src, stable=True)
+    wanted = row[needed[order]]  # rows in their owners' shards, grouped by owner
+    to_send = torch.empty(sum(send_sizes), dtype=torch.int64, device=dev)
+    dist.all_to_all_single(to_send, wanted, send_sizes, recv_sizes, group=group)
+    return to_send, send_sizes, recv_sizes, needed[order]
+
+
+@_with_dtensors
+def context_parallel_topk_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k: int,
+    *,
+    group=None,
+    causal: bool = False,
+    scale: float | None = None,
+    index_query: torch.Tensor | None = None,
+    index_key: torch.Tensor | None = None,
+    index_weights: torch.Tensor | None = None,
+    layout: str = "zigzag",
+    method: str | None = None,
+    return_lse: bool = False,
+    return_indices: bool = False,
+):
+    """``topk_attention`` (token mode, exact per head or with the lightning indexer) over a sequence
+    sharded along its length across ``group``: each query selects among the keys of the whole
+    sequence, as on one GPU.
+
+    Selection needs every key's score: the exact mode gathers K whole (and V: the attention then
+    reads them in place), the indexer only ``index_key`` (B, L_r, DI) shards, a few bytes per
+    token. Then each rank fetches the K/V rows its selections name from the ranks that hold them
+    (``method="alltoall"``: one all-to-all of row numbers, one of K, one of V; differentiable, the
+    K/V gradients going back to their owners), or K/V whole (``"allgather"``). None: the
+    all-to-all unless some rank needs more than half of the other ranks' rows (the same decision on
+    every rank: one all-reduce of the counts). The exact mode always takes the all-gather (its K is
+    whole already).
+
+    Parameters
+    ----------
+    query, key, value : Tensor
+        This rank's shards, as in :func:`context_parallel_attention`.
+    k, causal, scale, index_query, index_key, index_weights
+        As ``topk_attention`` (``index_query`` / ``index_weights`` this rank's (B, L_r, ...) shards
+        of the sequence, ``index_key`` too).
+    layout : {"zigzag", "contiguous"}
+    method : {None, "alltoall", "allgather"}
+    return_lse, return_indices
+        Also return this rank's LSE shard and its selection (global key positions, as
+        ``topk_attention`` returns them for the whole sequence).
+
+    Returns
+    -------
+    out, or a tuple in the order (out, lse, indices) keeping the parts asked for.
+    """
+    from .ops import _attend_selection, _result
+
+    rank, world = _group_info(group)
+    _args.check_inputs(query, key, value)
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if method not in (None, "alltoall", "allgather"):
+        raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
+    indexer = [t is not None for t in (index_query, index_key, index_weights)]
+    if any(indexer) and not all(indexer):
+        raise ValueError("index_query, index_key and index_weights must be given together")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(f"query and key shards must have the same length, got {query.shape[2]} and {key.shape[2]}")
+    total = torch.tensor([query.shape[2]], dtype=torch.int64, device=query.device)
+    dist.all_reduce(total, group=group)
+    seq_len = int(total.item())
+    bounds = chunk_bounds(seq_len, world, layout)
+    if query.shape[2] != sum(n for _, n in bounds[rank]):
+        raise ValueError(f"rank {rank}'s shard has {query.shape[2]} tokens; the {layout} layout gives it another count")
+    scale = _args.scale(scale)
+
+    # 1. Selection, per local chunk [qo, qo + lq) against the keys [0, end) it may see (bottom-right
+    #    alignment of lq queries on the prefix puts query i at position qo + i).
+    chunks = _local_chunks(bounds[rank])
+    ends = [qo + lq if causal else seq_len for qo, _, lq in chunks]
+    k_all = v_all = None
+    with torch.no_grad():
+        if all(indexer):
+            ik_all = _gather(index_key, bounds, group, 1)
+            picks = [
+                _ops.indexer_select.default(
+                    index_query[:, qs : qs + lq], ik_all[:, :end], index_weights[:, qs : qs + lq], k, causal
+                )
+                for (qo, qs, lq), end in zip(chunks, ends, strict=True)
+            ]
+            del ik_all
+    if not all(indexer):  # the scores need every key: K (and V, read by most selections) gathered whole
+        k_all, v_all = _gather(key, bounds, group, 2), _gather(value, bounds, group, 2)
+        with torch.no_grad():
+            picks = [
+                _ops.topk_select.default(query[:, :, qs : qs + lq].detach(), k_all[:, :, :end].detach(), k, causal)
+                for (qo, qs, lq), end in zip(chunks, ends, strict=True)
+            ]
+    kk = min(k, seq_len)  # the width topk_attention gives on the whole sequence
+    picks = [torch.nn.functional.pad(p, (0, kk - p.shape[-1]), value=-1) for p in picks]
+    indices = torch.cat(picks, dim=2)  # (B, G, L_r, kk) global key positions, -1 padded
+
+    # 2. The K/V rows the selections name: this rank's own, the rest fetched (or everything gathered).
+    owner, row = _owners(bounds, seq_len, query.device)
+    named = torch.zeros(seq_len + 1, dtype=torch.bool, device=query.device)  # the last slot: -1 entries
+    named[torch.where(indices >= 0, indices, seq_len).flatten()] = True  # int32 indices: no int64 copy
+    needed = (named[:seq_len] & (owner != rank)).nonzero().flatten()
+    counts = torch.zeros(world, dtype=torch.int64, device=query.device)
+    counts[rank] = needed.numel()
+    dist.all_reduce(counts, group=group)
+    others = [seq_len - sum(n for _, n in bounds[r]) for r in range(world)]
+    busiest = max(int(c) / max(1, o) for c, o in zip(counts.tolist(), others, strict=True))
+    if k_all is not None or method == "allgather" or (method is None and busiest > 0.5):
+        if k_all is None:
+            k_all, v_all = _gather(key, bounds, group, 2), _gather(value, bounds, group, 2)
+        position = indices  # global positions index the gathered K/V directly
+    else:
+        to_send, send_sizes, recv_sizes, got_pos = _fetch_rows(needed, owner, row, rank, world, group)
+
+        def exchange(x):
+            seq_first = x.movedim(2, 0)  # (L_r, B, Hkv, D)
+            got = _Exchange.apply(seq_first.index_select(0, to_send), send_sizes, recv_sizes, group)
+            return torch.cat([x, got.movedim(0, 2)], dim=2)
+
+        k_all, v_all = exchange(key), exchange(value)
+        # Compact position of every global position this rank now holds: its shard's rows, then the
+        # received rows in arrival order.
+        compact = torch.full((seq_len,), -1, dtype=torch.int64, device=query.device)
+        mine = owner == rank
+        compact[mine] = row[mine]
+        compact[got_pos] = query.shape[2] + torch.arange(got_pos.numel(), device=query.device)
+        compact = torch.cat([compact, compact.new_full((1,), -1)]).to(torch.int32)  # -1 entries stay -1
+        flat = torch.where(indices >= 0, indices, seq_len).flatten()
+        position = compact.index_select(0, flat).view(indices.shape)
+
+    # 3. Attention over the named rows, by the route topk_attention would take for its own
+    #    selection (distinct keys per row; no causal test: the selection is causal already).
+    out, lse = _attend_selection(query, k_all, v_all, position.contiguous(), scale, kk, False)
+    return _result(out, lse, indices, return_lse, return_indices)

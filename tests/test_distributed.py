@@ -1,7 +1,7 @@
 """Context parallelism on CPU process groups (gloo, 2 and 4 ranks): every rank's output shard and
 its gradients equal the single-process flash_attention on the whole sequence, for the ring and
 all-gather schedules, both layouts, causal, dense and windowed masks, GQA and lengths the world
-size does not divide."""
+size does not divide; block-sparse masks; top-k (exact and indexer selection, both exchanges)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,10 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
                 errors.put(f"rank {rank} {case}: gather_sequence differs")
         if device == "cpu":
             _block_sparse_case(rank, world, errors)
+            _topk_cases(rank, world, errors)
+            _mesh_cases(rank, world, errors)
+        else:
+            _topk_cases(rank, world, errors, device, dtype, tol, scale_len=16)
     except Exception:  # noqa: BLE001  (reported to the test process)
         errors.put(f"rank {rank}: {traceback.format_exc()}")
     finally:
@@ -145,3 +149,109 @@ def test_needs_a_process_group():
     q = torch.randn(1, 2, 8, 32)
     with pytest.raises(RuntimeError, match="process group"):
         cp.context_parallel_attention(q, q, q)
+
+
+TOPK_CASES = [
+    # (seq_len, H, Hkv, k, causal, indexer, layout, method)
+    (150, 2, 1, 12, True, True, "zigzag", "alltoall"),
+    (150, 2, 1, 12, True, True, "zigzag", "allgather"),
+    (131, 4, 2, 7, False, True, "contiguous", None),
+    (97, 2, 2, 9, True, False, "zigzag", None),
+    (120, 2, 1, 200, True, True, "zigzag", None),  # k past every row's visible keys: dense
+]
+
+
+def _topk_cases(rank: int, world: int, errors, device="cpu", dtype=torch.float32, tol=1e-4, scale_len=1) -> None:
+    """context_parallel_topk_attention against topk_attention on the whole sequence: the same
+    selection (global positions), output, LSE and gradients."""
+    for case in TOPK_CASES:
+        length, h, hkv, k_sel, causal, indexer, layout, method = case
+        length *= scale_len
+        g = torch.Generator().manual_seed(length + k_sel)
+
+        def rnd(*shape, fn=torch.randn, g=g):
+            return fn(*shape, generator=g).to(device, dtype)
+
+        q, k, v = (rnd(1, heads, length, 64) for heads in (h, hkv, hkv))
+        extra = {}
+        if indexer:
+            extra = dict(
+                index_query=rnd(1, length, 2, 64),
+                index_key=rnd(1, length, 64),
+                index_weights=rnd(1, length, 2, fn=torch.rand),
+            )
+        dout = rnd(1, h, length, 64)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse, ref_idx = sparse_attn.topk_attention(
+            *full, k_sel, causal=causal, return_lse=True, return_indices=True, **extra
+        )
+        ref_grads = torch.autograd.grad(ref, full, dout)
+        local = [cp.shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        shards = {n: cp.shard_sequence(t, layout=layout, dim=1) for n, t in extra.items()}
+        out, lse, idx = cp.context_parallel_topk_attention(
+            *local, k_sel, causal=causal, layout=layout, method=method, return_lse=True, return_indices=True, **shards
+        )
+        grads = torch.autograd.grad(out, local, cp.shard_sequence(dout, layout=layout))
+        want_idx = cp.shard_sequence(ref_idx, layout=layout)
+        if not torch.equal(idx[..., : want_idx.shape[-1]], want_idx):
+            errors.put(f"rank {rank} {case}: selection differs")
+        want = [cp.shard_sequence(t, layout=layout) for t in (ref.detach(), *ref_grads)]
+        for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), want, strict=True):
+            err = (got.float() - exp.float()).abs().max().item()
+            if not err <= tol * max(1.0, exp.float().abs().max().item()):
+                errors.put(f"rank {rank} {case}: {name} max error {err:.2e}")
+        lse_want = cp.shard_sequence(ref_lse, layout=layout)
+        if not torch.allclose(lse, lse_want, atol=tol, equal_nan=True):
+            errors.put(f"rank {rank} {case}: lse differs")
+
+
+def _mesh_cases(rank: int, world: int, errors) -> None:
+    """A one-dimensional DeviceMesh as ``group``, and DTensors sharded along the sequence (Shard(2),
+    DTensor's contiguous chunks) in and out, gradients included."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    length = 48 * world
+    g = torch.Generator().manual_seed(world)
+    q, k, v, dout = (torch.randn(1, 2, length, 32, generator=g) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = sparse_attn.flash_attention(*full, causal=True)
+    ref_grads = torch.autograd.grad(ref, full, dout)
+    # a mesh as the group, plain local shards
+    local = [cp.shard_sequence(t, group=mesh, layout="contiguous") for t in (q, k, v)]
+    out = cp.context_parallel_attention(*local, group=mesh, causal=True, layout="contiguous")
+    if not torch.allclose(out, cp.shard_sequence(ref.detach(), group=mesh, layout="contiguous"), atol=1e-4):
+        errors.put(f"rank {rank}: mesh as group: output differs")
+    # DTensors in and out
+    leaves = [distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+    out = cp.context_parallel_attention(*leaves, causal=True)
+    if not isinstance(out, DTensor) or tuple(out.placements) != (Shard(2),):
+        errors.put(f"rank {rank}: DTensor in, {type(out).__name__} out")
+        return
+    (out * distribute_tensor(dout, mesh, [Shard(2)])).sum().backward()
+    if not torch.allclose(out.full_tensor(), ref.detach(), atol=1e-4):
+        errors.put(f"rank {rank}: DTensor output differs")
+    for name, leaf, want in zip("qkv", leaves, ref_grads, strict=True):
+        if not torch.allclose(leaf.grad.full_tensor(), want, atol=1e-4):
+            errors.put(f"rank {rank}: DTensor d{name} differs")
+    # top-k with the indexer's tensors as DTensors too
+    iq, ik, iw = (
+        torch.randn(1, length, 2, 16, generator=g),
+        torch.randn(1, length, 16, generator=g),
+        torch.rand(1, length, 2, generator=g),
+    )
+    ref_top = sparse_attn.topk_attention(q, k, v, 9, causal=True, index_query=iq, index_key=ik, index_weights=iw)
+    top = cp.context_parallel_topk_attention(
+        *(distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k, v)),
+        9,
+        causal=True,
+        **{
+            n: distribute_tensor(t, mesh, [Shard(1)])
+            for n, t in (("index_query", iq), ("index_key", ik), ("index_weights", iw))
+        },
+    )
+    if not torch.allclose(top.full_tensor(), ref_top, atol=1e-4):
+        errors.put(f"rank {rank}: DTensor top-k output differs")
+    with pytest.raises(ValueError, match="layout must be 'contiguous'"):
+        cp.context_parallel_attention(*leaves, causal=True, layout="zigzag")
