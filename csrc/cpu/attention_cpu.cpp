@@ -4,8 +4,10 @@
 #include "sparse_attn/cpu/attention_cpu.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -27,6 +29,16 @@ namespace sparse_attn::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// SPARSE_ATTN_CPU_GENERIC=1 (read once): the portable loops even where the CPU has AVX-512, so
+// that both versions can be tested on one machine.
+inline bool cpu_generic() {
+  static const bool generic = [] {
+    const char* v = std::getenv("SPARSE_ATTN_CPU_GENERIC");
+    return v != nullptr && v[0] == '1';
+  }();
+  return generic;
+}
 
 template <typename F>
 void dispatch_dtype(ScalarKind dtype, F&& f) {
@@ -200,9 +212,6 @@ SA_CPU_CLONES float exp2_row(float* s, int n, float ref) {
   return sum;
 }
 
-// "larger" in the top-k order: higher score first, lower index on ties; NaN counts as +inf so a
-// NaN key is selected and propagates instead of being silently dropped.
-inline float rank_key(float s) { return std::isnan(s) ? std::numeric_limits<float>::infinity() : s; }
 
 template <typename T>
 const T* q_row(const AttnFwdParams& p, int b, int h, int64_t i) {
@@ -515,7 +524,7 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   const int group = cache ? kGroup : 1;
   constexpr bool kQInPlace = std::is_same_v<T, Op>;  // Q's rows are the product's operand as they are
 #ifdef SA_CPU_AVX512_BF16
-  static const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16");
+  static const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16") && !cpu_generic();
 #endif
   // Whole heads per scheduling chunk when there are enough of them (each head's K/V converted by
   // one thread), single query tiles otherwise (balance).
@@ -961,25 +970,119 @@ void attention_bwd(const AttnBwdParams& g, const Keys& keys) {
 //
 // The top k of one row's scores s[0, nv) (score desc, index asc; NaN as +inf), ascending, -1 padded
 // to p.topk, into out.
-inline void select_row(const TopkSelectParams& p, const float* s, int64_t nv, std::vector<float>& keys,
+//
+// The k-th largest score by its order-preserving 32-bit key: a histogram of the keys' top byte
+// finds the bin holding it, nth_element runs on that bin's keys only (scores of one row share few
+// exponents, so the bin is a fraction of the row), then one pass in index order takes every key
+// above it and as many equal to it as k leaves room for, the lower indices first.
+// "larger" in the top-k order: higher score first (lower index on ties); NaN counts as +inf, so a
+// NaN key is selected and propagates instead of being silently dropped.
+inline uint32_t select_key(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(std::isnan(x) ? std::numeric_limits<float>::infinity() : x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+inline void select_row(const TopkSelectParams& p, const float* s, int64_t nv, std::vector<uint32_t>& keys,
                        int32_t* out) {
   const int kk = int(std::min<int64_t>(p.topk, nv));
   int n = 0;
   if (kk > 0) {
-    // The k-th largest key (nth_element on the values themselves), then one pass in index order:
-    // every key above it, and as many equal to it as k leaves room for, the lower indices first.
-    for (int64_t t = 0; t < nv; ++t) keys[t] = rank_key(s[t]);
-    std::nth_element(keys.begin(), keys.begin() + (kk - 1), keys.begin() + nv, std::greater<float>());
-    const float kth = keys[kk - 1];
-    int above = 0;
-    for (int64_t t = 0; t < nv; ++t) above += rank_key(s[t]) > kth;
-    int ties = kk - above;
+    int hist[256] = {};
+    for (int64_t t = 0; t < nv; ++t) {
+      const uint32_t u = select_key(s[t]);
+      keys[t] = u;
+      ++hist[u >> 24];
+    }
+    int bin = 255, above = 0;  // the bin of the k-th largest key, and the keys in higher bins
+    while (above + hist[bin] < kk) above += hist[bin--];
+    int m = 0;  // the bin's keys, compacted in place (positions < t are already read)
+    for (int64_t t = 0; t < nv; ++t)
+      if (int(keys[t] >> 24) == bin) keys[m++] = keys[t];
+    std::nth_element(keys.begin(), keys.begin() + (kk - above - 1), keys.begin() + m, std::greater<uint32_t>());
+    const uint32_t kth = keys[kk - above - 1];
+    int greater = 0;
+    for (int64_t t = 0; t < nv; ++t) greater += select_key(s[t]) > kth;
+    int ties = kk - greater;
     for (int64_t t = 0; t < nv && n < kk; ++t) {
-      const float x = rank_key(s[t]);
-      if (x > kth || (x == kth && ties-- > 0)) out[n++] = int32_t(t);
+      const uint32_t u = select_key(s[t]);
+      if (u > kth || (u == kth && ties-- > 0)) out[n++] = int32_t(t);
     }
   }
   std::fill(out + n, out + p.topk, -1);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SA_CPU_AVX512_SELECT 1
+#define SA_AVX512_SELECT __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+// select_row in AVX-512, without data-dependent branches (the scalar passes mispredict on every
+// other key): the keys once into `keys`; the k-th largest key T by a binary search over its 32
+// bits (each step one count of the keys at or above a candidate, 16 keys per compare); then one
+// pass writes, by compress-store, the indices of the keys above T and of the first ties.
+// How many of keys[0, n) are >= c.
+SA_AVX512_SELECT int keys_at_least(const uint32_t* keys, int64_t n, uint32_t c) {
+  const __m512i vc = _mm512_set1_epi32(int(c));
+  int cnt = 0;
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 live = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1);
+    cnt += __builtin_popcount(_mm512_mask_cmpge_epu32_mask(live, _mm512_maskz_loadu_epi32(live, keys + t), vc));
+  }
+  return cnt;
+}
+
+SA_AVX512_SELECT void select_row_avx512(const TopkSelectParams& p, const float* s, int64_t nv,
+                                        std::vector<uint32_t>& keys, int32_t* out) {
+  const int kk = int(std::min<int64_t>(p.topk, nv));
+  int n = 0;
+  if (kk > 0) {
+    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    const __m512i sign = _mm512_set1_epi32(int(0x80000000u)), ones = _mm512_set1_epi32(-1);
+    for (int64_t t = 0; t < nv; t += 16) {
+      const __mmask16 live = nv - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (nv - t)) - 1);
+      __m512 x = _mm512_maskz_loadu_ps(live, s + t);
+      x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), inf);  // NaN ranks as +inf
+      const __m512i u = _mm512_castps_si512(x);
+      const __mmask16 negative = _mm512_movepi32_mask(u);
+      const __m512i key = _mm512_mask_xor_epi32(_mm512_or_si512(u, sign), negative, u, ones);
+      _mm512_mask_storeu_epi32(keys.data() + t, live, key);
+    }
+    auto count_at_least = [&](uint32_t c) { return keys_at_least(keys.data(), nv, c); };
+    uint32_t kth = 0;  // the largest T with at least kk keys >= T: the k-th largest key
+    for (int bit = 31; bit >= 0; --bit)
+      if (count_at_least(kth | (1u << bit)) >= kk) kth |= 1u << bit;
+    int ties = kk - (kth == 0xffffffffu ? 0 : count_at_least(kth + 1));
+    const __m512i vk = _mm512_set1_epi32(int(kth));
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t t = 0; t < nv; t += 16, idx = _mm512_add_epi32(idx, step)) {
+      const __mmask16 live = nv - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (nv - t)) - 1);
+      const __m512i key = _mm512_maskz_loadu_epi32(live, keys.data() + t);
+      const __mmask16 above = _mm512_mask_cmpgt_epu32_mask(live, key, vk);
+      __mmask16 equal = _mm512_mask_cmpeq_epu32_mask(live, key, vk);
+      int eq = __builtin_popcount(equal);
+      while (eq > ties) {  // keep the lowest-index ties only
+        equal &= __mmask16(~(0x8000u >> __builtin_clz(uint32_t(equal) << 16)));
+        --eq;
+      }
+      ties -= eq;
+      const __mmask16 take = above | equal;
+      _mm512_mask_compressstoreu_epi32(out + n, take, idx);
+      n += __builtin_popcount(take);
+    }
+  }
+  std::fill(out + n, out + p.topk, -1);
+}
+#endif
+
+// One row's selection: the AVX-512 select where the CPU has it.
+inline void select_row_best(const TopkSelectParams& p, const float* s, int64_t nv, std::vector<uint32_t>& keys,
+                            int32_t* out) {
+#ifdef SA_CPU_AVX512_SELECT
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                             !cpu_generic();
+  if (avx512) return select_row_avx512(p, s, nv, keys, out);
+#endif
+  select_row(p, s, nv, keys, out);
 }
 
 // Exact mode: per (batch, head, tile of kSelRows query rows) the scores Q K^T of the keys the tile's
@@ -995,7 +1098,8 @@ void select_exact(const TopkSelectParams& p, const TileGemm& g) {
   const int64_t ldk = (int64_t(p.lk) + 15) / 16 * 16;
 #pragma omp parallel
   {
-    std::vector<float> qf(kSelRows * D), kT(D * ldk), s(kSelRows * ldk), keys(p.lk);
+    std::vector<float> qf(kSelRows * D), kT(D * ldk), s(kSelRows * ldk);
+    std::vector<uint32_t> keys(p.lk);
     int64_t cached = -1;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
@@ -1022,36 +1126,65 @@ void select_exact(const TopkSelectParams& p, const TileGemm& g) {
         int64_t nv = p.lk;
         if (p.causal) nv = std::clamp<int64_t>(int64_t(i) + p.kv_offset + 1, 0, p.lk);
         const int64_t row = (int64_t(b) * p.h_sel + hs) * p.lq + i;
-        select_row(p, &s[r * ldk], nv, keys, p.out + row * p.topk);
+        select_row_best(p, &s[r * ldk], nv, keys, p.out + row * p.topk);
       }
     }
   }
 }
 
 // Indexer mode (one index set per token): score(t, s) = sum_j w[t, j] * relu(qi[t, j] . ki[s]).
+// Per (batch, tile of kSelRows rows), for each indexer head j the products Qi_j Ki^T as TileGemm
+// products against Ki^T (fp32, DI x Lk, converted once per batch element and thread), folded into
+// the scores as w * relu(.), then each row's selection.
 template <typename T>
-void select_indexer(const TopkSelectParams& p) {
-  const int64_t rows = int64_t(p.b) * p.lq;
+void select_indexer(const TopkSelectParams& p, const TileGemm& g) {
+  const int num_m = (p.lq + kSelRows - 1) / kSelRows;
+  const int64_t work = int64_t(p.b) * num_m;
+  const int DI = p.di;
+  const int64_t ldk = (int64_t(p.lk) + 15) / 16 * 16;
 #pragma omp parallel
   {
-    std::vector<float> qf(int64_t(p.hi) * p.di), wf(p.hi), kf(p.di), s(p.lk), keys(p.lk);
-#pragma omp for schedule(dynamic, 16)
-    for (int64_t w = 0; w < rows; ++w) {
-      const int i = int(w % p.lq), b = int(w / p.lq);
-      int64_t nv = p.lk;
-      if (p.causal) nv = std::clamp<int64_t>(int64_t(i) + p.kv_offset + 1, 0, p.lk);
-      const T* iq = static_cast<const T*>(p.iq) + b * p.iq_batch_stride + int64_t(i) * p.iq_row_stride;
-      const T* iw = static_cast<const T*>(p.iw) + b * p.iw_batch_stride + int64_t(i) * p.iw_row_stride;
-      for (int j = 0; j < p.hi; ++j) load_row(iq + j * p.iq_head_stride, p.di, &qf[int64_t(j) * p.di]);
-      load_row(iw, p.hi, wf.data());
-      for (int64_t t = 0; t < nv; ++t) {
-        load_row(static_cast<const T*>(p.ik) + b * p.ik_batch_stride + t * p.ik_row_stride, p.di, kf.data());
-        float x = 0.f;
-        for (int j = 0; j < p.hi; ++j)
-          x += wf[j] * std::max(dot(&qf[int64_t(j) * p.di], kf.data(), p.di), 0.f);
-        s[t] = x;
+    std::vector<float> qf(kSelRows * DI), wf(kSelRows * p.hi), kT(DI * ldk), prod(kSelRows * ldk),
+        s(kSelRows * ldk);
+    std::vector<uint32_t> keys(p.lk);
+    int cached = -1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < work; ++w) {
+      const int mb = int(w % num_m), b = int(w / num_m);
+      const int i0 = mb * kSelRows, rows = std::min(kSelRows, p.lq - i0);
+      if (b != cached) {
+        cached = b;
+        const T* ik = static_cast<const T*>(p.ik) + b * p.ik_batch_stride;
+        for (int x = 0; x < DI; ++x)
+          for (int64_t t = 0; t < p.lk; ++t) kT[x * ldk + t] = to_float(ik[t * p.ik_row_stride + x]);
       }
-      select_row(p, s.data(), nv, keys, p.out + w * p.topk);
+      int64_t nv_max = p.lk;
+      if (p.causal) nv_max = std::clamp<int64_t>(int64_t(i0 + rows - 1) + p.kv_offset + 1, 0, p.lk);
+      const T* iw = static_cast<const T*>(p.iw) + b * p.iw_batch_stride;
+      for (int r = 0; r < rows; ++r) load_row(iw + int64_t(i0 + r) * p.iw_row_stride, p.hi, &wf[r * p.hi]);
+      for (int r = 0; r < rows; ++r) std::fill(&s[r * ldk], &s[r * ldk] + nv_max, 0.f);
+      for (int j = 0; j < p.hi; ++j) {
+        const T* iq = static_cast<const T*>(p.iq) + b * p.iq_batch_stride + j * p.iq_head_stride;
+        for (int r = 0; r < rows; ++r) load_row(iq + int64_t(i0 + r) * p.iq_row_stride, DI, &qf[r * DI]);
+        for (int64_t c0 = 0; c0 < nv_max; c0 += 512) {
+          const int n = int(std::min<int64_t>(512, nv_max - c0));
+          g.f32(rows, n, DI, DI, int(ldk), int(ldk), false, qf.data(), &kT[c0], &prod[c0]);
+        }
+        for (int r = 0; r < rows; ++r) {
+          const float wj = wf[r * p.hi + j];
+          float* sr = &s[r * ldk];
+          const float* pr = &prod[r * ldk];
+          // relu as std::max(x, 0) is (NaN propagating), written as a select the compiler vectorises
+#pragma omp simd
+          for (int64_t t = 0; t < nv_max; ++t) sr[t] += wj * (pr[t] < 0.f ? 0.f : pr[t]);
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        const int i = i0 + r;
+        int64_t nv = p.lk;
+        if (p.causal) nv = std::clamp<int64_t>(int64_t(i) + p.kv_offset + 1, 0, p.lk);
+        select_row_best(p, &s[r * ldk], nv, keys, p.out + (int64_t(b) * p.lq + i) * p.topk);
+      }
     }
   }
 }
@@ -1100,7 +1233,7 @@ void gather_bwd(const AttnBwdParams& g) {
 void topk_select(const TopkSelectParams& p, const TileGemm& g) {
   dispatch_dtype(p.dtype, [&](auto t) {
     if (p.indexer)
-      select_indexer<decltype(t)>(p);
+      select_indexer<decltype(t)>(p, g);
     else
       select_exact<decltype(t)>(p, g);
   });
