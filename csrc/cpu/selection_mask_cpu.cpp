@@ -34,6 +34,19 @@ void selection_mask(const SelectionMaskParams& p) {
         const uint32_t part[4] = {uint32_t(lo), uint32_t(lo >> 32), uint32_t(hi), uint32_t(hi >> 32)};
         for (int i = 0; i < words; ++i) w[i] |= part[i];
       };
+      if (p.entry_block == 1) {  // keys: one bit each, no range arithmetic
+        const int shift = p.kv_block == 128 ? 7 : 6;
+        uint32_t* row_words = p.words + (first_pair * p.q_block + r) * words;
+        const int64_t pair_words = int64_t(p.q_block) * words;
+        for (int j = 0; j < p.k; ++j) {
+          const int32_t key = row[j];
+          if (key < 0 || key >= limit || (key >> shift) >= cap) continue;
+          const int kb = key >> shift, c = key & (p.kv_block - 1);
+          touched[kb] = 1;
+          row_words[kb * pair_words + (c >> 5)] |= 1u << (c & 31);
+        }
+        continue;
+      }
       for (int j = 0; j < p.k; ++j) {
         if (row[j] < 0) continue;
         const int64_t a = int64_t(row[j]) * p.entry_block;
