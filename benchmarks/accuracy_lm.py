@@ -89,6 +89,15 @@ def load(name_or_none: str | None):
     return tok, model
 
 
+def load_registered(name_or_none: str | None):
+    """load(), with attention through sparse_attn's transformers integration, in eval mode."""
+    sa_hf.register()
+    tok, model = load(name_or_none)
+    model.set_attn_implementation("sparse_attn")
+    model.eval()
+    return tok, model
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a transformers name or path (default: SmolLM2-135M GGUF)")
@@ -98,10 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="*", default=None, help="substrings of the mode names to run")
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args(argv)
-    sa_hf.register()
-    tok, model = load(args.model)
-    model.set_attn_implementation("sparse_attn")
-    model.eval()
+    tok, model = load_registered(args.model)
     ids = tok(open(args.text).read(), return_tensors="pt").input_ids[0]
     chunks = [ids[i * args.context : (i + 1) * args.context] for i in range(args.chunks)]
     chunks = [c for c in chunks if len(c) == args.context]

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from accuracy_lm import load  # noqa: E402
+from accuracy_lm import load_registered  # noqa: E402
 
 import sparse_attn.integrations.transformers as sa_hf  # noqa: E402
 
@@ -76,10 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args(argv)
-    sa_hf.register()
-    tok, model = load(args.model)
-    model.set_attn_implementation("sparse_attn")
-    model.eval()
+    tok, model = load_registered(args.model)
     with open(args.text, encoding="utf-8") as f:
         ids = tok(f.read(), return_tensors="pt").input_ids[:, : args.context]
     recorded: list[torch.Tensor] = []

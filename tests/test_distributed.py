@@ -30,6 +30,19 @@ CASES = [
 ]
 
 
+def _compare_shards(errors, where: str, got, whole, layout: str, tol: float) -> None:
+    """This rank's (out, dq, dk, dv, lse) against its shards of the whole sequence's."""
+    for name, mine, ref in zip(("out", "dq", "dk", "dv", "lse"), got, whole, strict=True):
+        exp = cp.shard_sequence(ref.detach(), layout=layout).float()
+        if name == "lse":
+            if not torch.allclose(mine, exp, atol=tol, equal_nan=True):
+                errors.put(f"{where}: lse differs")
+            continue
+        err = (mine.float() - exp).abs().max().item()
+        if not err <= tol * max(1.0, exp.abs().max().item()):
+            errors.put(f"{where}: {name} max error {err:.2e}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -60,14 +73,7 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
                 *local, causal=causal, window=window, layout=layout, method=method, return_lse=True
             )
             grads = torch.autograd.grad(out, local, cp.shard_sequence(dout, layout=layout))
-            want = [cp.shard_sequence(t, layout=layout) for t in (ref.detach(), *ref_grads)]
-            for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), want, strict=True):
-                err = (got.float() - exp.float()).abs().max().item()
-                if not err <= tol * max(1.0, exp.float().abs().max().item()):
-                    errors.put(f"rank {rank} {case}: {name} max error {err:.2e}")
-            lse_want = cp.shard_sequence(ref_lse, layout=layout)
-            if not torch.allclose(lse, lse_want, atol=tol):
-                errors.put(f"rank {rank} {case}: lse differs")
+            _compare_shards(errors, f"rank {rank} {case}", (out, *grads, lse), (ref, *ref_grads, ref_lse), layout, tol)
             # The whole sequence back from the shards.
             whole = cp.gather_sequence(out.detach(), length, layout=layout)
             if not torch.allclose(whole.float(), ref.detach().float(), atol=tol):
@@ -195,14 +201,7 @@ def _topk_cases(rank: int, world: int, errors, device="cpu", dtype=torch.float32
         want_idx = cp.shard_sequence(ref_idx, layout=layout)
         if not torch.equal(idx[..., : want_idx.shape[-1]], want_idx):
             errors.put(f"rank {rank} {case}: selection differs")
-        want = [cp.shard_sequence(t, layout=layout) for t in (ref.detach(), *ref_grads)]
-        for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), want, strict=True):
-            err = (got.float() - exp.float()).abs().max().item()
-            if not err <= tol * max(1.0, exp.float().abs().max().item()):
-                errors.put(f"rank {rank} {case}: {name} max error {err:.2e}")
-        lse_want = cp.shard_sequence(ref_lse, layout=layout)
-        if not torch.allclose(lse, lse_want, atol=tol, equal_nan=True):
-            errors.put(f"rank {rank} {case}: lse differs")
+        _compare_shards(errors, f"rank {rank} {case}", (out, *grads, lse), (ref, *ref_grads, ref_lse), layout, tol)
 
 
 def _mesh_cases(rank: int, world: int, errors) -> None:
