@@ -720,47 +720,61 @@ void dense_impl(const AttnFwdParams& p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Top-k's gathered attention, per (batch, group of heads, query row): the heads of a group share
+// both the index set and the K/V head (gcd(H / Hi, H / Hkv) consecutive heads: all of a K/V head's
+// query heads under the indexer's one set), so each listed K and V row is read and converted once
+// for all of them. Two passes per row: the scores and their max, then P = 2^(s - max) times V.
 template <typename T>
 void gather_impl(const AttnFwdParams& p) {
-  const int64_t rows = int64_t(p.b) * p.h * p.lq;
   const int D = p.d, Dv = p.dv;
+  const int group = std::gcd(p.h_per_idx, p.h_per_kv);
+  const int groups = p.h / group;
+  const int64_t rows = int64_t(p.b) * groups * p.lq;
 #pragma omp parallel
   {
-    std::vector<float> qf(D), kf(D), vf(Dv), acc(Dv), s(p.topk);
+    std::vector<float> qf(int64_t(group) * D), kf(D), vf(Dv), acc(int64_t(group) * Dv), s(int64_t(group) * p.topk),
+        mx(group), l(group);
+    std::vector<char> nan(group);
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < rows; ++w) {
-      const int i = int(w % p.lq), h = int((w / p.lq) % p.h), b = int(w / (int64_t(p.lq) * p.h));
-      const int hk = h / p.h_per_kv;
-      const int32_t* idx = p.indices + b * p.idx_batch_stride + (h / p.h_per_idx) * p.idx_head_stride +
+      const int i = int(w % p.lq), gi = int((w / p.lq) % groups), b = int(w / (int64_t(p.lq) * groups));
+      const int h0 = gi * group, hk = h0 / p.h_per_kv;
+      const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
                            int64_t(i) * p.idx_row_stride;
-      load_row(q_row<T>(p, b, h, i), D, qf.data(), p.scale_log2);
-      float mx = kNegInf;
-      bool nan = false;
+      for (int g = 0; g < group; ++g) load_row(q_row<T>(p, b, h0 + g, i), D, &qf[int64_t(g) * D], p.scale_log2);
+      std::fill(mx.begin(), mx.end(), kNegInf);
+      std::fill(nan.begin(), nan.end(), 0);
       for (int t = 0; t < p.topk; ++t) {
         const int j = idx[t];
-        float x = kNegInf;
-        if (j >= 0 && j < p.lk) {
-          load_row(k_row<T>(p, b, hk, j), D, kf.data());
-          x = dot(qf.data(), kf.data(), D);
+        const bool ok = j >= 0 && j < p.lk;
+        if (ok) load_row(k_row<T>(p, b, hk, j), D, kf.data());
+        for (int g = 0; g < group; ++g) {
+          const float x = ok ? dot(&qf[int64_t(g) * D], kf.data(), D) : kNegInf;
+          s[int64_t(g) * p.topk + t] = x;
+          if (x > mx[g]) mx[g] = x;
+          nan[g] |= std::isnan(x);
         }
-        s[t] = x;
-        if (x > mx) mx = x;
-        nan |= std::isnan(x);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      float l = 0.f;
-      if (mx != kNegInf || nan) {
-        if (mx == kNegInf) mx = 0.f;
-        for (int t = 0; t < p.topk; ++t) {
-          if (idx[t] < 0 || idx[t] >= p.lk) continue;
-          const float pc = std::exp2(s[t] - mx);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int g = 0; g < group; ++g)
+        if (mx[g] == kNegInf && nan[g]) mx[g] = 0.f;  // NaN scores only: let them through
+      for (int t = 0; t < p.topk; ++t) {
+        if (idx[t] < 0 || idx[t] >= p.lk) continue;
+        bool loaded = false;
+        for (int g = 0; g < group; ++g) {
+          if (mx[g] == kNegInf) continue;  // this head saw no key
+          const float pc = std::exp2(s[int64_t(g) * p.topk + t] - mx[g]);
           if (pc == 0.f) continue;
-          l += pc;
-          load_row(v_row<T>(p, b, hk, idx[t]), Dv, vf.data());
-          axpy(pc, vf.data(), acc.data(), Dv);
+          if (!loaded) {
+            load_row(v_row<T>(p, b, hk, idx[t]), Dv, vf.data());
+            loaded = true;
+          }
+          l[g] += pc;
+          axpy(pc, vf.data(), &acc[int64_t(g) * Dv], Dv);
         }
       }
-      finalize_row<T>(p, b, h, i, acc.data(), mx, l);
+      for (int g = 0; g < group; ++g) finalize_row<T>(p, b, h0 + g, i, &acc[int64_t(g) * Dv], mx[g], l[g]);
     }
   }
 }
