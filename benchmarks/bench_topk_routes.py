@@ -88,13 +88,6 @@ def _by_rows(rows, g, lq, k, device, chunk=2048):
     return out
 
 
-def union_density(idx, lk, heads, entry_block=1) -> float:
-    lq = idx.shape[2]
-    num = _ops._selection_mask(idx, lk, heads, 128, 128, True, lk - lq, entry_block)[0]
-    pairs = _routes.selection_mask_size(lq, lk, 128, 128, True, lk - lq)[0]
-    return num.sum().item() / (num.shape[0] * num.shape[1] * pairs)
-
-
 def block_selection(g, lq, lk, k, gen, device, *, share, block=128):
     """Per token and group, k key blocks of `block` tokens (distinct, visible): the first block, the
     two newest, and k - 3 others; with `share` = "tile" every row of a 128-token query tile takes
@@ -190,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                         for data in args.data:
                             make = random_selection if data == "random" else span_selection
                             idx = make(g, lq, lq, k, gen, device)
-                            union = union_density(idx, lq, args.heads)
+                            union = _routes.selection_union(idx, lq, lq, 1, True)
                             mask, gather, masked, auto, auto_ms = measure_cell(q, kk, v, idx, k, device)
                             emit(
                                 f"| {lq} | {hkv} | {g} | {k} | {data} | {union:.3f} | {mask:.2f} | {gather:.2f} | "
@@ -211,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             for share in ("tile", "mixed", "row"):
                 idx = block_selection(hkv, lq, lq, kb, gen, device, share=share)
                 entries = _routes.user_selection(q, kk, idx, None, 128)
-                union = union_density(entries, lq, h, 128)
+                union = _routes.selection_union(entries, lq, lq, 128, True)
                 mask, gather, masked, auto, auto_ms = measure_cell(q, kk, v, idx, kb * 128, device, 128)
                 emit(
                     f"| {lq} | {share} | {union:.3f} | {mask:.2f} | {gather:.2f} | {masked:.2f} | {auto} | "

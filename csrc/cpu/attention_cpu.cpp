@@ -983,12 +983,10 @@ void attention_bwd(const AttnBwdParams& g, const Keys& keys) {
 // index asc), written ascending by index.
 //
 // The top k of one row's scores s[0, nv) (score desc, index asc; NaN as +inf), ascending, -1 padded
-// to p.topk, into out.
+// to p.topk, into out: the k-th largest key (nth_element on the keys), then one pass in index
+// order takes every key above it and as many equal to it as k leaves room for, the lower indices
+// first. (select_row_avx512 below is the same selection without data-dependent branches.)
 //
-// The k-th largest score by its order-preserving 32-bit key: a histogram of the keys' top byte
-// finds the bin holding it, nth_element runs on that bin's keys only (scores of one row share few
-// exponents, so the bin is a fraction of the row), then one pass in index order takes every key
-// above it and as many equal to it as k leaves room for, the lower indices first.
 // "larger" in the top-k order: higher score first (lower index on ties); NaN counts as +inf, so a
 // NaN key is selected and propagates instead of being silently dropped.
 inline uint32_t select_key(float x) {
@@ -1001,19 +999,9 @@ inline void select_row(const TopkSelectParams& p, const float* s, int64_t nv, st
   const int kk = int(std::min<int64_t>(p.topk, nv));
   int n = 0;
   if (kk > 0) {
-    int hist[256] = {};
-    for (int64_t t = 0; t < nv; ++t) {
-      const uint32_t u = select_key(s[t]);
-      keys[t] = u;
-      ++hist[u >> 24];
-    }
-    int bin = 255, above = 0;  // the bin of the k-th largest key, and the keys in higher bins
-    while (above + hist[bin] < kk) above += hist[bin--];
-    int m = 0;  // the bin's keys, compacted in place (positions < t are already read)
-    for (int64_t t = 0; t < nv; ++t)
-      if (int(keys[t] >> 24) == bin) keys[m++] = keys[t];
-    std::nth_element(keys.begin(), keys.begin() + (kk - above - 1), keys.begin() + m, std::greater<uint32_t>());
-    const uint32_t kth = keys[kk - above - 1];
+    for (int64_t t = 0; t < nv; ++t) keys[t] = select_key(s[t]);
+    std::nth_element(keys.begin(), keys.begin() + (kk - 1), keys.begin() + nv, std::greater<uint32_t>());
+    const uint32_t kth = keys[kk - 1];
     int greater = 0;
     for (int64_t t = 0; t < nv; ++t) greater += select_key(s[t]) > kth;
     int ties = kk - greater;
