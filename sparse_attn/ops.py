@@ -320,8 +320,9 @@ def topk_attention(
         entries = _routes.user_selection(query, key, indices, k, block_size)
         per_entry = block_size or 1
         tokens = indices.shape[3] * per_entry
-        route = _plan.measured_selection_route(query, key, value, entries, tokens, bool(causal), per_entry)
-        if route.kind == "masked_block" and key_lengths is None:
+        if key_lengths is None:  # (with key lengths: the gather, which drops the listed keys past them)
+            route = _plan.measured_selection_route(query, key, value, entries, tokens, bool(causal), per_entry)
+        if key_lengths is None and route.kind == "masked_block":
             out, lse = _routes.selection_blocks(query, key, value, entries, scale, bool(causal), entry_block=per_entry)
             return _result(out, lse, indices, return_lse, return_indices)
         token_indices = _routes.selection_tokens(query, key, entries, block_size, bool(causal))
@@ -384,7 +385,7 @@ def topk_attention(
 
 def _attend_selection(query, key, value, indices, scale, k, causal):
     """Attention over a selection of topk_attention's own (distinct keys per row): gathered rows or
-    the masked block kernel, as _plan.selection_route decides."""
+    the masked block kernel, as _plan.measured_selection_route decides."""
     route = _plan.measured_selection_route(query, key, value, indices, k, causal)
     if route.kind == "masked_block":
         return _routes.selection_blocks(query, key, value, indices, scale, causal)
