@@ -255,3 +255,12 @@ def test_measured_union_picks_the_block_route_for_clustered_selections(monkeypat
     assert _routes.selection_union(sinks, 2048, 2048, 1, True) == pytest.approx(16 / 136)
     monkeypatch.setitem(_plan._UNION_MEASURE_BYTES_PER_S, "cpu", 1.0)  # measuring too dear: shapes decide
     assert _plan.measured_selection_route(q, kk, v, sinks, 16, True).kind == "gather"
+
+
+def test_selection_mask_of_a_long_key_sequence(device):
+    """More than 4000 key blocks (600k keys): the lists reach the last block, the bits land in it."""
+    idx = torch.tensor([[[[600000, 3, -1]]]], dtype=torch.int32, device=device)
+    num, kvi, kvp, words = _ops._selection_mask(idx, 600001, 1, 128, 128, False, 0)
+    assert num.item() == 2 and kvi[0, 0, 0, :2].tolist() == [0, 4687]
+    bits = decode_bits(words[kvp[0, 0, 0, 1].item()].cpu(), 128)
+    assert bits[0].nonzero().flatten().tolist() == [600000 - 4687 * 128]

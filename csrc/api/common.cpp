@@ -343,7 +343,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_
   TORCH_CHECK(g > 0 && heads > 0 && heads % g == 0, "heads (", heads, ") must be a multiple of the groups (", g, ")");
   TORCH_CHECK(lq <= INT_MAX && k <= INT_MAX && b <= 65535 && g <= 65535, "indices too large: ", indices.sizes());
   const int64_t nkb = (key_length + kv_block - 1) / kv_block, nqb = (lq + q_block - 1) / q_block;
-  TORCH_CHECK(nkb <= 4000, "key_length ", key_length, " has more than 4000 key blocks of ", kv_block);
+  // The CUDA builder keeps three bits per key block in 48 KiB of shared memory.
+  TORCH_CHECK(nkb <= 4095 * 32, "key_length ", key_length, " has more than ", 4095 * 32, " key blocks of ", kv_block);
   indices = indices.stride(-1) == 1 ? indices : indices.contiguous();
   int64_t pairs = 0, max_kb = 0;
   for (int64_t qb = 0; qb < nqb; ++qb) {
