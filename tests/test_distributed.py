@@ -5,6 +5,7 @@ size does not divide; block-sparse masks; top-k (exact and indexer selection, bo
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import traceback
@@ -51,7 +52,8 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # A short timeout: a rank that failed waits at the final barrier instead of hanging the others.
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     # CPU: fp32, exact up to summation order. CUDA (NCCL): bf16, against the same op on one GPU.
     device, dtype, tol = ("cuda", torch.bfloat16, 3e-2) if backend == "nccl" else ("cpu", torch.float32, 1e-4)
@@ -87,6 +89,9 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
     except Exception:  # noqa: BLE001  (reported to the test process)
         errors.put(f"rank {rank}: {traceback.format_exc()}")
     finally:
+        # No rank tears its connections down while another still reads from them (DTensor's
+        # collectives complete asynchronously; gloo aborts the process on a closed pair).
+        dist.barrier()
         dist.destroy_process_group()
 
 
