@@ -675,13 +675,13 @@ def context_parallel_block_sparse_attention(
 # -------------------------------------------------------------------------------------------- top-k
 def _owners(bounds, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(L,) owner rank and (L,) row in the owner's shard of every position of the sequence."""
-    owner = torch.empty(seq_len, dtype=torch.int64)
-    row = torch.empty(seq_len, dtype=torch.int64)
+    owner = torch.empty(seq_len, dtype=torch.int64, device=device)  # made where used: no L-long copies
+    row = torch.empty(seq_len, dtype=torch.int64, device=device)
     for r, chunks in enumerate(bounds):
         for off, at, n in _local_chunks(chunks):
             owner[off : off + n] = r
-            row[off : off + n] = torch.arange(at, at + n)
-    return owner.to(device), row.to(device)
+            row[off : off + n] = torch.arange(at, at + n, device=device)
+    return owner, row
 
 
 def _fetch_rows(needed: torch.Tensor, owner, row, rank: int, world: int, group):
