@@ -983,9 +983,9 @@ void attention_bwd(const AttnBwdParams& g, const Keys& keys) {
 // index asc), written ascending by index.
 //
 // The top k of one row's scores s[0, nv) (score desc, index asc; NaN as +inf), ascending, -1 padded
-// to p.topk, into out: the k-th largest key (nth_element on the keys), then one pass in index
-// order takes every key above it and as many equal to it as k leaves room for, the lower indices
-// first. (select_row_avx512 below is the same selection without data-dependent branches.)
+// to p.topk, into out: the k-th largest key, then one pass in index order takes every key above it
+// and as many equal to it as k leaves room for, the lower indices first. (select_row_avx512 below
+// is the same selection in AVX-512 intrinsics.)
 //
 // "larger" in the top-k order: higher score first (lower index on ties); NaN counts as +inf, so a
 // NaN key is selected and propagates instead of being silently dropped.
@@ -999,15 +999,27 @@ inline void select_row(const TopkSelectParams& p, const float* s, int64_t nv, st
   const int kk = int(std::min<int64_t>(p.topk, nv));
   int n = 0;
   if (kk > 0) {
-    for (int64_t t = 0; t < nv; ++t) keys[t] = select_key(s[t]);
-    std::nth_element(keys.begin(), keys.begin() + (kk - 1), keys.begin() + nv, std::greater<uint32_t>());
-    const uint32_t kth = keys[kk - 1];
+    uint32_t* key = keys.data();
+    for (int64_t t = 0; t < nv; ++t) key[t] = select_key(s[t]);
+    // The k-th largest key T: the largest value with at least kk keys >= T, bit by bit (each step a
+    // count the compiler vectorises, no data-dependent branch).
+    uint32_t kth = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+      const uint32_t c = kth | (1u << bit);
+      int cnt = 0;
+#pragma omp simd reduction(+ : cnt)
+      for (int64_t t = 0; t < nv; ++t) cnt += key[t] >= c;
+      if (cnt >= kk) kth = c;
+    }
     int greater = 0;
-    for (int64_t t = 0; t < nv; ++t) greater += select_key(s[t]) > kth;
+#pragma omp simd reduction(+ : greater)
+    for (int64_t t = 0; t < nv; ++t) greater += key[t] > kth;
     int ties = kk - greater;
-    for (int64_t t = 0; t < nv && n < kk; ++t) {
-      const uint32_t u = select_key(s[t]);
-      if (u > kth || (u == kth && ties-- > 0)) out[n++] = int32_t(t);
+    for (int64_t t = 0; t < nv && n < kk; ++t) {  // branch-free writes: the index lands, n moves if taken
+      const bool tie = key[t] == kth && ties > 0;
+      ties -= tie;
+      out[n] = int32_t(t);
+      n += (key[t] > kth) | tie;
     }
   }
   std::fill(out + n, out + p.topk, -1);
