@@ -142,15 +142,14 @@ def selection_route(
     start = lk - lq + 1 if causal else lk  # keys visible to row 0 (causal: bottom-right)
     visible = _sum_clamped(lq, start, 0, lk) if causal else lq * lk
     selected = _sum_clamped(lq, start, 0, min(k, lk)) if causal else lq * min(k, lk)
+    share = 1.0 if union is None else union  # of the visible pairs the block kernel computes
     if query.device.type == "cuda" if cuda is None else cuda:
         streams = h if groups == h else hkv  # (index set, K/V head) pairs each loading its rows
         gather = b * streams * selected * 2 * dv * query.element_size() / _CUDA_GATHER_BYTES_PER_S
-        share = 1.0 if union is None else union
         block = share * _PARTIAL_COST * b * h * visible * 2 * (d + dv) / _CUDA_PAIR_FLOPS_PER_S.get(query.dtype, 2.0e13)
         block += b * groups * (4 * lq * min(k, lk) + 4 * visible // 8) / _CUDA_MASK_BYTES_PER_S
     else:
         gather = b * h * selected * (d + dv) / 2 * _CPU_GATHER_S.get(query.dtype, 0.23e-9)
-        share = 1.0 if union is None else union
         block = share * _PARTIAL_COST * b * h * visible * (d + dv) / 2 * _CPU_PAIR_S.get(query.dtype, 0.017e-9)
     estimate = "estimated while tracing"  # symbolic shapes: no numbers to print
     if not torch.compiler.is_compiling():

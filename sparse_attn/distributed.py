@@ -507,6 +507,15 @@ class _Exchange(torch.autograd.Function):
         return back, None, None, None
 
 
+def _with_rows_of_others(x, send_rows, send_sizes, recv_sizes, group):
+    """x (B, Hkv, L_r, D) with the rows other ranks send appended along the sequence: this shard's
+    rows ``send_rows`` go out, in the order of ``send_sizes`` per rank (one all-to-all,
+    differentiable)."""
+    seq_first = x.movedim(2, 0)  # (L_r, B, Hkv, D)
+    got = _Exchange.apply(seq_first.index_select(0, send_rows), send_sizes, recv_sizes, group)
+    return torch.cat([x, got.movedim(0, 2)], dim=2)
+
+
 @dataclass(frozen=True)
 class _SparseExchange:
     """What one rank sends and receives for a mask: the key blocks (global ids) its shard sends to
@@ -654,12 +663,7 @@ def context_parallel_block_sparse_attention(
     send_sizes = [len(ex.send[r]) * kb for r in range(world)]
     recv_sizes = [len(ex.recv[s]) * kb for s in range(world)]
 
-    def exchange(x):
-        seq_first = x.movedim(2, 0)  # (L_r, B, Hkv, D)
-        got = _Exchange.apply(seq_first.index_select(0, ex.send_rows), send_sizes, recv_sizes, group)
-        return torch.cat([x, got.movedim(0, 2)], dim=2)
-
-    k_all, v_all = exchange(key), exchange(value)
+    k_all, v_all = (_with_rows_of_others(x, ex.send_rows, send_sizes, recv_sizes, group) for x in (key, value))
     outs, lses = [], []
     for qo, qs, lq in _local_chunks(bounds[rank]):
         rows_mask = _compact_rows(mask, qo, lq, ex.compact, k_all.shape[2])
@@ -814,12 +818,7 @@ def context_parallel_topk_attention(
     else:
         to_send, send_sizes, recv_sizes, got_pos = _fetch_rows(needed, owner, row, rank, world, group)
 
-        def exchange(x):
-            seq_first = x.movedim(2, 0)  # (L_r, B, Hkv, D)
-            got = _Exchange.apply(seq_first.index_select(0, to_send), send_sizes, recv_sizes, group)
-            return torch.cat([x, got.movedim(0, 2)], dim=2)
-
-        k_all, v_all = exchange(key), exchange(value)
+        k_all, v_all = (_with_rows_of_others(x, to_send, send_sizes, recv_sizes, group) for x in (key, value))
         # Compact position of every global position this rank now holds: its shard's rows, then the
         # received rows in arrival order.
         compact = torch.full((seq_len,), -1, dtype=torch.int64, device=query.device)
