@@ -11,10 +11,13 @@ Shapes follow the issue: B = 1, H = 16, D = 128, bf16, causal; indexer HI = 4, D
 inputs (timing does not depend on the data). `--hkv` sets the number of K/V heads: 1 is
 DeepSeek's MQA-style sharing (every head reads the one selected row, loaded once for all 16),
 16 gives each head its own K/V (16x the gathered bytes). Columns: `score` and `select` are the
-indexer's two kernels (from the profiler), `attn` the gathered attention, `e2e` topk_attention
-end to end; `vs flash` = dense causal flash time / e2e (target >= 8 at 64k, k = 2048);
-`sel %` = select / e2e (target <= 30 %); `peak MiB` = memory e2e allocates, outputs included,
-against `L·k` = the int32 index tensor (the O(L·k) check).
+indexer's scoring and selection kernels (from the profiler; filtered where the plan filters:
+scoring = the sample and the filtered pass, selection = thresholds, candidates and fallback),
+`unfiltered` the same selection timed with the filter off (`select_filter_stride=-1`: every
+score through the workspace) in the same run, `sel / attn` = (score + select) / attn (target
+<= 0.5), `attn` the gathered attention, `e2e` topk_attention end to end; `vs flash` = dense
+causal flash time / e2e; `peak MiB` = memory e2e allocates, outputs included, against `L·k` =
+the int32 index tensor (the O(L·k) check).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from functools import partial
 import torch
 
 import sparse_attn
+from sparse_attn._plan import overrides
 from sparse_attn._routes import block_kernel as _run_block_sparse
 from sparse_attn._routes import block_topk_mask as _block_topk_mask
 from sparse_attn.bench import peak_extra_bytes, run_sdpa, sdpa_backends, time_ms
@@ -131,13 +135,16 @@ def measure_length(x: dict, ks: list[int], block_density: float, device: torch.d
         e2e = partial(sparse_attn.topk_attention, q, k, v, kk, causal=True, index_query=iq, index_key=ik,
                       index_weights=iw)  # fmt: skip
         sel_ms = time_ms(sel, device)
+        with overrides(select_filter_stride=-1):
+            unfiltered_ms = time_ms(sel, device)
         attn_ms = time_ms(partial(torch.ops.sparse_attn.gather_fwd, q, k, v, idx), device)
         e2e_ms = time_ms(e2e, device)
-        split = kernel_ms(sel, {"score": "topk_score", "select": "topk_select"}) if cuda else {}
+        split = kernel_ms(sel, {"score": "topk_score", "all": "topk_"}) if cuda else {}
+        score = split.get("score", float("nan"))
         token_rows.append(
-            dict(L=length, hkv=hkv, k=kk, score=split.get("score", float("nan")), select=split.get("select", sel_ms),
-                 attn=attn_ms, e2e=e2e_ms, flash=flash_ms, cudnn=cudnn_ms, peak=peak_extra_bytes(e2e, device),
-                 idx_bytes=idx.numel() * 4)
+            dict(L=length, hkv=hkv, k=kk, score=score, select=split.get("all", sel_ms) - (score if cuda else 0.0),
+                 unfiltered=unfiltered_ms, sel=sel_ms, attn=attn_ms, e2e=e2e_ms, flash=flash_ms, cudnn=cudnn_ms,
+                 peak=peak_extra_bytes(e2e, device), idx_bytes=idx.numel() * 4)
         )  # fmt: skip
         print(_token_line(token_rows[-1]), flush=True)
         del idx
@@ -153,8 +160,8 @@ def measure_length(x: dict, ks: list[int], block_density: float, device: torch.d
 
 
 _TOKEN_HEAD = (
-    "| L | Hkv | k | score ms | select ms | attn ms | e2e ms | flash causal ms | cuDNN causal ms "
-    "| vs flash | sel % | peak MiB | L·k MiB |"
+    "| L | Hkv | k | score ms | select ms | unfiltered ms | sel / attn | attn ms | e2e ms | flash causal ms "
+    "| cuDNN causal ms | vs flash | peak MiB | L·k MiB |"
 )
 _BLOCK_HEAD = "| L | Hkv | k blocks | score+select ms | block-sparse ms | e2e ms | e2e / (score + bs) | vs flash |"
 
@@ -166,9 +173,9 @@ def _sep(head: str) -> str:
 def _token_line(r) -> str:
     peak = f"{r['peak'] / 2**20:.0f}" if r["peak"] is not None else "-"
     return (
-        f"| {r['L']} | {r['hkv']} | {r['k']} | {r['score']:.3f} | {r['select']:.3f} | {r['attn']:.3f} "
-        f"| {r['e2e']:.3f} | {r['flash']:.3f} | {r['cudnn']:.3f} | {r['flash'] / r['e2e']:.2f} "
-        f"| {100 * r['select'] / r['e2e']:.0f} | {peak} | {r['idx_bytes'] / 2**20:.0f} |"
+        f"| {r['L']} | {r['hkv']} | {r['k']} | {r['score']:.3f} | {r['select']:.3f} | {r['unfiltered']:.3f} "
+        f"| {r['sel'] / r['attn']:.2f} | {r['attn']:.3f} | {r['e2e']:.3f} | {r['flash']:.3f} | {r['cudnn']:.3f} "
+        f"| {r['flash'] / r['e2e']:.2f} | {peak} | {r['idx_bytes'] / 2**20:.0f} |"
     )
 
 

@@ -527,6 +527,7 @@ _DEFAULTS = {
     "merge_boundary": None,
     "select_workspace_bytes": 0,
     "decode_splits": 0,
+    "select_filter_stride": 0,
     "topk_attention_route": None,
 }
 _current = dict(_DEFAULTS)
@@ -543,6 +544,7 @@ def _apply(options: dict) -> None:
         -1 if merge is None else int(bool(merge)),
         int(options["select_workspace_bytes"]),
         int(options["decode_splits"]),
+        int(options["select_filter_stride"]),
     )
 
 
@@ -558,6 +560,9 @@ def overrides(**changes):
     - ``merge_boundary=True/False``: the Hopper core's merged tile boundary on or off;
     - ``select_workspace_bytes=n``: top-k selection's score workspace;
     - ``decode_splits=n``: attention_with_kvcache's split-KV count (at most its key tiles).
+    - ``select_filter_stride=n``: top-k selection filtered on chip with a sample of every n-th
+      key tile (where the kernels can take it), ``-1``: never filtered (the scores then go
+      through the workspace).
     - ``topk_attention_route="gather"`` or ``"masked_block"``: how topk_attention attends over
       a selection of its own (selection_route; Python-side).
 

@@ -594,6 +594,7 @@ std::string describe_select(const TopkSelectParams& params, const DeviceInfo& de
   out << "core=" << (plan.tensor_core_scoring ? "portable" : "cuda_cores")
       << "\nworkspace_bytes=" << plan.workspace_bytes
       << "\nchunks=" << (plan.units + plan.per_chunk - 1) / std::max<int64_t>(plan.per_chunk, 1)
+      << "\nfilter_stride=" << plan.filter_stride << "\ncandidates=" << plan.cand_cap
       << "\nwhy_core=" << plan.why;
   return out.str();
 }

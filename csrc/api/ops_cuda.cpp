@@ -169,19 +169,61 @@ at::Tensor run_select(TopkSelectParams& params, at::Tensor out, const at::Tensor
         dtype_dispatch(params.dtype, [&](auto dt) { return run_topk_select_<dt.value>(params, n, stream); }),
         "topk_select");
   };
+  auto score = [&](int64_t n) {
+    check_launch(SA_HALF_DTYPE_SWITCH(params.dtype, kDtype,
+                                      [&] { return run_topk_score_<kDtype>(params, n, stream); }),
+                 "topk_score");
+  };
   at::Tensor scores = at::empty({plan.workspace_bytes / 4}, like.options().dtype(at::kFloat));
   params.scores = scores.data_ptr<float>();
   params.scores_stride = plan.scores_stride;
   params.prescored = plan.tensor_core_scoring;
   params.n_qtiles = plan.n_qtiles;
+  if (plan.filter_stride > 0) {
+    // Filtered (params.h): per chunk, the sample, thresholds, candidates, selection among them,
+    // then the rows they could not decide.
+    char* base = static_cast<char*>(scores.data_ptr());
+    const FilterWorkspace w = filter_workspace(plan, plan.per_chunk * kTopkScoreBlockM);
+    params.filter_stride = plan.filter_stride;
+    params.cand_cap = plan.cand_cap;
+    params.cand_target = plan.cand_target;
+    params.thresholds = reinterpret_cast<uint32_t*>(base + w.thresholds);
+    params.cand = reinterpret_cast<uint32_t*>(base + w.cand);
+    params.cand_count = reinterpret_cast<int*>(base + w.counts);
+    params.fallback_rows = reinterpret_cast<int64_t*>(base + w.fallback_rows);
+    SelectPlan sample_plan = plan;
+    sample_plan.key_tiles = std::max(1, plan.key_tiles / plan.filter_stride);
+    for (int64_t begin = 0; begin < plan.units; begin += plan.per_chunk) {
+      const int64_t n = std::min(plan.per_chunk, plan.units - begin), rows_c = n * kTopkScoreBlockM;
+      params.tile_begin = begin;
+      params.fallback_count = params.cand_count + rows_c * kMaxFilterSplits;
+      C10_CUDA_CHECK(cudaMemsetAsync(params.fallback_count, 0, sizeof(int), stream));
+      params.scores = reinterpret_cast<float*>(base + w.sample);
+      params.scores_stride = plan.sample_stride;
+      params.score_mode = 1;
+      params.n_splits = select_score_splits(sample_plan, n);
+      score(n);
+      params.select_mode = 1;
+      select(rows_c);
+      params.score_mode = 2;
+      params.n_splits = std::min(select_score_splits(plan, n), kMaxFilterSplits);
+      params.cand_slice = plan.cand_cap / params.n_splits;
+      score(n);
+      params.select_mode = 2;
+      select(rows_c);
+      params.scores = reinterpret_cast<float*>(base + w.fallback_scores);
+      params.scores_stride = plan.scores_stride;
+      params.select_mode = 3;
+      select(plan.fallback_ctas);
+    }
+    return out;
+  }
   for (int64_t begin = 0; begin < plan.units; begin += plan.per_chunk) {
     const int64_t n = std::min(plan.per_chunk, plan.units - begin);
     if (plan.tensor_core_scoring) {
       params.tile_begin = begin;
       params.n_splits = select_score_splits(plan, n);
-      check_launch(SA_HALF_DTYPE_SWITCH(params.dtype, kDtype,
-                                        [&] { return run_topk_score_<kDtype>(params, n, stream); }),
-                   "topk_score");
+      score(n);
       select(n * kTopkScoreBlockM);
     } else {
       params.row_begin = begin;

@@ -233,6 +233,52 @@ SelectPlan plan_select(const TopkSelectParams& p, const DeviceInfo& dev, const P
     plan.workspace_bytes = plan.per_chunk * tile_bytes;
     plan.why =
         "tensor-core scoring of 64-row query tiles into a bounded workspace, then a radix select per row";
+    // Filtered: the scores stay on chip, each row keeping the keys at or above a threshold from
+    // a sample of its scores: about T = max(1.5 k, min(2048, Lk / 8)) of them, in room for
+    // 5 T / 3 + 1024 (a row that sees at most half of that keeps every key; the scoring CTAs'
+    // slices of the room are uneven by up to a key tile each). The sample, every S-th key tile,
+    // holds about T / S = 192 keys above the threshold (its relative error about 1 / sqrt(192) =
+    // 7 %, against margins of 33 % below T (for 1.5 k) and 67 % above: a row's candidates decide
+    // its selection but about once in 10^5 rows); T's floor of 2048 keeps the sample, and the
+    // threshold kernel's pass over it, at most an eighth of the row where k is small. Taken by
+    // default when the candidates are at most a quarter of the row. The candidates' bitmap of the
+    // row's keys bounds Lk.
+    const int kk = std::min(p.topk, p.lk);
+    const int target = std::max(3 * kk / 2, std::min(2048, p.lk / 8));
+    const int cap = (5 * target + 2) / 3 + 1024;
+    int stride = opt.select_filter_stride;
+    if (stride == 0) {
+      stride = 1;
+      while (stride * 2 <= std::min(target / 192, 64)) stride *= 2;
+      if (stride < 2 || int64_t(p.lk) < 4 * int64_t(cap)) stride = 0;
+    }
+    if (stride > 0 && kk > 0) {
+      const int64_t cand_smem = 2 * 1024 + int64_t(cap) * 4 + (int64_t(p.lk) + 31) / 32 * 8;
+      SelectPlan f = plan;
+      f.filter_stride = stride;
+      f.cand_cap = cap;
+      f.cand_target = target;
+      // A query tile's sample: at least 16 tiles where it sees that many (sample_tile_stride), so
+      // under 32 where the plan's stride leaves fewer.
+      f.sample_stride = std::max<int64_t>(32, (plan.key_tiles + stride - 1) / stride) * kTopkScoreBlockN;
+      const int64_t rows_total = plan.units * kTopkScoreBlockM;
+      f.fallback_ctas = int(std::clamp<int64_t>(budget / 4 / (plan.scores_stride * 4), 1,
+                                                std::min<int64_t>(4 * int64_t(plan.sms), rows_total)));
+      const int64_t fixed = filter_workspace(f, 0).end;
+      const int64_t per_tile = filter_workspace(f, kTopkScoreBlockM).end - fixed;
+      // (The filtered scorer stages 64 rows x 32 candidates, 16 KiB, next to its tiles.)
+      if (cand_smem <= 200 * 1024 && smem + 16 * 1024 <= 200 * 1024 && p.lk >= 1024 &&
+          fixed + per_tile <= budget) {
+        f.per_chunk = std::max<int64_t>(1, std::min(plan.units, (budget - fixed) / per_tile));
+        while (f.per_chunk > 1 && filter_workspace(f, f.per_chunk * kTopkScoreBlockM).end > budget)
+          --f.per_chunk;
+        f.workspace_bytes = filter_workspace(f, f.per_chunk * kTopkScoreBlockM).end;
+        f.why =
+            "tensor-core scoring of 64-row query tiles; each row keeps the keys at or above a threshold "
+            "from a sample of its scores (no scores in memory), then a radix select among them";
+        return f;
+      }
+    }
     return plan;
   }
   plan.units = rows;
@@ -243,6 +289,19 @@ SelectPlan plan_select(const TopkSelectParams& p, const DeviceInfo& dev, const P
                  : "fp32, dimension above 128, misaligned rows or too many indexer heads: each select CTA "
                    "scores its own row on the CUDA cores";
   return plan;
+}
+
+FilterWorkspace filter_workspace(const SelectPlan& plan, int64_t rows) {
+  auto up = [](int64_t x) { return (x + 15) / 16 * 16; };
+  FilterWorkspace w;
+  w.sample = 0;
+  w.thresholds = up(w.sample + rows * plan.sample_stride * 4);
+  w.cand = up(w.thresholds + rows * 4);
+  w.counts = up(w.cand + rows * plan.cand_cap * 8);
+  w.fallback_rows = up(w.counts + (rows * kMaxFilterSplits + 1) * 4);
+  w.fallback_scores = up(w.fallback_rows + rows * 8);
+  w.end = up(w.fallback_scores + int64_t(plan.fallback_ctas) * plan.scores_stride * 4);
+  return w;
 }
 
 int select_score_splits(const SelectPlan& plan, int64_t n) {

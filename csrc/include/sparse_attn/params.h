@@ -143,6 +143,25 @@ struct TopkSelectParams {
   int n_qtiles;
   int n_splits;  // CTAs per tile of the scoring launch, each a contiguous share of the key tiles
   bool prescored;
+  // Filtered selection (SelectPlan::filter_stride > 0): the scores never reach memory. Per chunk,
+  // topk_score (score_mode 1) scores every filter_stride-th key tile into `scores` (the sample,
+  // scores_stride floats per workspace row); topk_select (select_mode 1) turns each row's sample
+  // into a threshold that about 1.5 k of the row's keys reach; topk_score (score_mode 2) appends
+  // the keys at or above it to the row's candidates; topk_select (select_mode 2) selects among
+  // them, and rows whose candidates cannot decide (fewer than k, or more than cand_cap) go to a
+  // list that topk_select (select_mode 3) selects the unfiltered way, with `scores` then a
+  // workspace of full rows, one per CTA.
+  int filter_stride = 0;
+  int score_mode = 0;   // 0: every key into scores; 1: the sample into scores; 2: candidates
+  int select_mode = 0;  // 0: from scores; 1: thresholds; 2: from candidates; 3: the fallback list
+  uint32_t* __restrict__ thresholds = nullptr;    // per workspace row: an order key (radix_select.cuh)
+  uint32_t* __restrict__ cand = nullptr;          // (rows, cand_cap, 2): score bits, key index
+  int* __restrict__ cand_count = nullptr;         // (rows, n_splits): a row's candidates in each CTA's slice
+  int64_t* __restrict__ fallback_rows = nullptr;  // rows over (B, Hs, Lq) the candidates could not decide
+  int* __restrict__ fallback_count = nullptr;     // the list's length (zeroed per chunk)
+  int cand_cap = 0;
+  int cand_target = 0;  // candidates a row's threshold aims at (SelectPlan::cand_target)
+  int cand_slice = 0;  // candidates per scoring CTA's slice of a row: cand_cap / n_splits
   int b, h, h_kv, lq, lk, d, topk;
   int h_sel;      // heads with their own index set: H (exact) or 1 (indexer)
   int h_per_kv;   // H / Hkv

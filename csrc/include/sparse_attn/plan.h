@@ -111,6 +111,7 @@ struct PlanOptions {
   bool per_tile_grid = false;          // Hopper: one CTA per tile instead of persistent CTAs
   int merge_boundary = -1;             // Hopper: 0 / 1 forces the merged tile boundary off / on
   int64_t select_workspace_bytes = 0;  // top-k selection's score workspace
+  int select_filter_stride = 0;        // filtered selection's sample stride (key tiles); -1: never filtered
   int decode_splits = 0;               // attention_with_kvcache's split-KV count (capped at the key tiles)
 };
 
@@ -158,8 +159,27 @@ struct SelectPlan {
   int n_qtiles = 0;   // query tiles per (b, hs) plane
   int key_tiles = 0;  // 64-key tiles
   int sms = 0;
+  // Filtered selection (TopkSelectParams): the sample of every filter_stride-th key tile
+  // (sample_stride floats per row), candidates per row, and fallback_ctas rows of scores_stride
+  // floats for the rows the candidates cannot decide. 0: the scores go through the workspace.
+  int filter_stride = 0;
+  int cand_cap = 0, cand_target = 0;  // room per row; the candidates its threshold aims at
+  int64_t sample_stride = 0;
+  int fallback_ctas = 0;
   const char* why = "";
 };
+
+// Scoring CTAs per query tile of a filtered selection at most: each has its own slice of a row's
+// candidates (cand_cap / n_splits of them).
+constexpr int kMaxFilterSplits = 8;
+
+// Byte offsets of a filtered selection's workspace regions for a chunk of `rows` workspace rows
+// (each 16-byte aligned): sample, thresholds, candidates, counts (rows x kMaxFilterSplits, then
+// the fallback list's length), fallback rows, fallback scores; end = the total.
+struct FilterWorkspace {
+  int64_t sample = 0, thresholds = 0, cand = 0, counts = 0, fallback_rows = 0, fallback_scores = 0, end = 0;
+};
+FilterWorkspace filter_workspace(const SelectPlan& plan, int64_t rows);
 
 // topk_select / indexer_select on CUDA (the CPU selects row by row without a workspace).
 SelectPlan plan_select(const TopkSelectParams& params, const DeviceInfo& device, const PlanOptions& options);
@@ -180,12 +200,13 @@ constexpr int decode_smem_bytes(int head_dim) { return decode_stages(head_dim) *
 struct DecodePlan {
   bool supported = false;  // false: the op's composite path (gather + dense_attention) serves it
   int head_dim = 0;        // the compiled head dim (64, 128, 256)
-  int row_tiles = 1;       // m16 query-row tiles per CTA (1, 2, 4); its 4 warps split each key tile 4/row_tiles ways
-  int row_chunks = 1;      // CTAs along the H / Hkv * Lq rows of a K/V head
-  int num_splits = 1;      // CTAs along the keys (split-KV); > 1 adds the combine kernel
+  int row_tiles =
+      1;  // m16 query-row tiles per CTA (1, 2, 4); its 4 warps split each key tile 4/row_tiles ways
+  int row_chunks = 1;  // CTAs along the H / Hkv * Lq rows of a K/V head
+  int num_splits = 1;  // CTAs along the keys (split-KV); > 1 adds the combine kernel
   int ctas_per_sm = 1;
   bool dependent_launch = false;  // sm_90: the combine launched as a programmatic dependent
-  int64_t est_key_tiles = 0;  // kDecodeBlockN-key tiles a sequence may hold (capacity, window or mask)
+  int64_t est_key_tiles = 0;      // kDecodeBlockN-key tiles a sequence may hold (capacity, window or mask)
   const char* why = "";
 };
 

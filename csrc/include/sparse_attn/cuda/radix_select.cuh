@@ -36,6 +36,20 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// A filtered selection's sample of a query tile that sees n_kt key tiles: every stride-th tile
+// (tiles stride - 1, 2 stride - 1, ...), stride = the plan's filter_stride, halved until the
+// sample holds at least 16 tiles (1024 keys; short rows' thresholds need them).
+__device__ __forceinline__ int sample_tile_stride(int filter_stride, int n_kt) {
+  int stride = filter_stride;
+  while (stride > 1 && n_kt / stride < 16) stride /= 2;
+  return stride;
+}
+
+// The float whose order_key is u (0, below every key, maps to a NaN, which no score is below).
+__device__ __forceinline__ float order_key_to_float(uint32_t u) {
+  return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
+}
+
 struct SelectSmem {
   unsigned hist[kSelectBins];
   uint32_t cand_key[kSelectCandidates];
@@ -72,7 +86,8 @@ __device__ __forceinline__ void hist_add(unsigned* hist, unsigned bin, bool acti
 
 // Warp 0: walking bins from the top, the bin where the running count reaches `need`; writes it
 // and the count still to take inside it to sm.digit / sm.need.
-__device__ __forceinline__ void find_bin(const unsigned* hist, int nbins, int need, SelectSmem& sm) {
+template <typename Smem>  // SelectSmem, or any state with `digit` and `need`
+__device__ __forceinline__ void find_bin(const unsigned* hist, int nbins, int need, Smem& sm) {
   const int lane = lane_id(), per = nbins / 32;
   const int hi = nbins - lane * per;  // this lane's bins: [hi - per, hi), walked downwards
   int sum = 0;
@@ -205,9 +220,9 @@ __device__ __forceinline__ void segment_offsets(int ties, SelectSmem& sm) {
 // keys matching them count); each_key(f) calls f(key) for the keys this thread owns. Returns the
 // key; `need` becomes the number of keys equal to it to take. With round_end < 3 it stops early:
 // the key's low bits are then 0 (a lower bound of the key, all that the sample's threshold needs).
-template <typename EachKey>
+template <typename EachKey, typename Smem>  // Smem: SelectSmem, or any state with hist, digit, need
 __device__ __forceinline__ uint32_t refine_threshold(EachKey each_key, uint32_t prefix, int round0, int& need,
-                                                     SelectSmem& sm, int round_end = 3) {
+                                                     Smem& sm, int round_end = 3) {
   constexpr int kShift[3] = {21, 10, 0}, kBinsOf[3] = {2048, 2048, 1024};
   uint32_t known = round0 == 0 ? 0u : ~0u << kShift[round0 - 1];
   for (int round = round0; round < round_end; ++round) {

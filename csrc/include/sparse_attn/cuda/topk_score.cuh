@@ -1,8 +1,15 @@
-// Scores for top-k selection on the tensor cores (mma.sync, sm_80+), written to the selection's
-// fp32 workspace; topk_select_kernel then selects from it (params.prescored).
+// Scores for top-k selection on the tensor cores (mma.sync, sm_80+). kMode 0: every visible key's
+// score into the selection's fp32 workspace, from which topk_select_kernel then selects
+// (params.prescored). kMode 1: only every filter_stride-th key tile (the sample of a filtered
+// selection, params.h). kMode 2: no scores written; each row's keys whose score reaches its
+// threshold are appended to the thread's own slice of the row's candidates (a row belongs to one
+// quad of threads; each of them sees a quarter of the keys and keeps its count in a register: no
+// atomics, no exchange), the rest dropped on chip.
 //
-// Per CTA: one 64-row query tile (4 warps x 16 rows) and a contiguous share of its visible key
-// tiles (params.n_splits CTAs per query tile, so that a chunk of few tiles still fills the GPU).
+// Per CTA: one 64-row query tile (4 warps x 16 rows) and every n_splits-th of its visible key
+// tiles (params.n_splits CTAs per query tile, so that a chunk of few tiles still fills the GPU;
+// interleaved, so that the splits' shares of a causal tile, and of any cluster of high scores,
+// are alike).
 // Exact mode: score = q_h . k_hk. Lightning indexer: score = sum_j w[t, j] * relu(qi[t, j] . ki),
 // the HI query heads of the tile kept in shared memory, four of them per pass over a key slice so
 // that each K fragment serves four heads. Products accumulate in fp32, as in the CUDA-core path;
@@ -17,8 +24,11 @@
 
 #include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/ptx.cuh"
+#include "sparse_attn/cuda/ptx_sm90.cuh"
+#include "sparse_attn/cuda/radix_select.cuh"
 #include "sparse_attn/cuda/smem_tile.cuh"
 #include "sparse_attn/cuda/topk.h"
+#include "sparse_attn/cuda/wgmma.cuh"
 
 namespace sparse_attn::cuda {
 
@@ -31,8 +41,13 @@ struct ScoreLayout {
   static constexpr int kChunks = kDim / 8;
   static constexpr int kTileBytes = kTopkScoreBlockM * kDim * 2;  // one 64-row tile
   static constexpr int kKBytes = kTopkScoreBlockN * kDim * 2;
-  // K ring (2 stages), then the weights (64 x heads fp32), then Q (heads x 64 x kDim).
-  static int smem_bytes(int heads) { return 2 * kKBytes + kTopkScoreBlockM * heads * 4 + heads * kTileBytes; }
+  // K ring (2 stages), then Q (heads x 64 x kDim; 1024-byte aligned, as wgmma's swizzle wants),
+  // then the weights (64 x heads fp32), then (filtered scoring) each row's staged candidates.
+  static constexpr int kStage = 32;  // candidates a row stages in shared memory (8 bytes each)
+  static int smem_bytes(int heads, bool filtered) {
+    return 2 * kKBytes + heads * kTileBytes + kTopkScoreBlockM * heads * 4 +
+           (filtered ? kTopkScoreBlockM * kStage * 8 : 0);
+  }
 };
 
 // rows x kDim tile (row pointers from row_ptr(r), nullptr = zero row) into swizzled shared memory;
@@ -50,18 +65,26 @@ __device__ __forceinline__ void load_rows(uint32_t smem, RowPtr row_ptr, const E
   }
 }
 
-template <ScalarKind kDtype, int kDim>
-__global__ void __launch_bounds__(kScoreThreads)
+template <ScalarKind kDtype, int kDim, int kMode>
+__global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? 4 : 1)
     topk_score_kernel(__grid_constant__ const TopkSelectParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Element = typename ElementOf<kDtype>::type;
   using L = ScoreLayout<kDim>;
   constexpr int kChunks = L::kChunks, kKSteps = kDim / 16, kBM = kTopkScoreBlockM, kBN = kTopkScoreBlockN;
   constexpr uint32_t kRow16 = 16 * kChunks * 16;
-  extern __shared__ __align__(128) char smem[];
+  extern __shared__ __align__(1024) char smem[];
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kWgmma =
+      kDim == 64;  // sm_90a: the warpgroup MMA (its 128-byte swizzle is swz's for 64 dims)
+#else
+  constexpr bool kWgmma = false;
+#endif
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
 
-  const int64_t tile = p.tile_begin + blockIdx.x / p.n_splits;
+  // The launch's tiles last first: in a causal plane the later tiles see more keys, so the long
+  // CTAs start first and the short ones fill the last wave.
+  const int64_t tile = p.tile_begin + (gridDim.x / p.n_splits - 1 - blockIdx.x / p.n_splits);
   const int split = int(blockIdx.x % p.n_splits);
   const int64_t plane = tile / p.n_qtiles;  // (b, hs)
   const int hs = int(plane % p.h_sel), b = int(plane / p.h_sel);
@@ -77,13 +100,19 @@ __global__ void __launch_bounds__(kScoreThreads)
     nv = last < 0 ? 0 : (last < p.lk ? last : p.lk);
   }
   const int n_kt = int((nv + kBN - 1) / kBN);
-  const int kt_begin = int(int64_t(n_kt) * split / p.n_splits),
-            kt_end = int(int64_t(n_kt) * (split + 1) / p.n_splits);
-  if (kt_begin >= kt_end) return;
+  // Iterations: key tiles, or in the sample's mode tiles stride - 1 + stride * it.
+  const int stride = kMode == 1 ? sample_tile_stride(p.filter_stride, n_kt) : 1;
+  const int n_it = n_kt / stride;
+  const int my_n = n_it > split ? (n_it - split + p.n_splits - 1) / p.n_splits : 0;  // this CTA's
+  if (my_n == 0) {
+    if (kMode == 2 && tid < kBM)  // its slices are empty
+      p.cand_count[((tile - p.tile_begin) * kBM + tid) * p.n_splits + split] = 0;
+    return;
+  }
 
   const uint32_t sK = smem_u32(smem);
-  float* sW = reinterpret_cast<float*>(smem + 2 * L::kKBytes);
-  const uint32_t sQ = sK + 2 * L::kKBytes + kBM * heads * 4;
+  const uint32_t sQ = sK + 2 * L::kKBytes;
+  float* sW = reinterpret_cast<float*>(smem + 2 * L::kKBytes + heads * L::kTileBytes);
 
   const Element* kbase;
   int64_t k_row_stride;
@@ -122,8 +151,8 @@ __global__ void __launch_bounds__(kScoreThreads)
         sQ, [&](int r) -> const Element* { return r < rows ? q + r * p.q_row_stride : nullptr; }, q, d_valid,
         tid);
   }
-  auto load_k = [&](int stage, int kt) {
-    const int n0 = kt * kBN;
+  auto load_k = [&](int stage, int it) {
+    const int n0 = (it * stride + stride - 1) * kBN;
     load_rows<kDim, kBN>(
         sK + stage * L::kKBytes,
         [&](int r) -> const Element* {
@@ -131,82 +160,200 @@ __global__ void __launch_bounds__(kScoreThreads)
         },
         kbase, d_valid, tid);
   };
-  load_k(0, kt_begin);
+  load_k(0, split);
   cp_async_commit();
 
   const int r8 = lane % 8;
   const uint32_t q_base = sQ + swz<kChunks>(warp * 16 + ((lane / 8) % 2) * 8 + r8, lane / 16);
   const int row_lo = warp * 16 + g;  // this thread's rows: row_lo and row_lo + 8 of the tile
-  float* ws = p.scores + ((tile - p.tile_begin) * kBM + row_lo) * p.scores_stride;
+  const int64_t wrow = (tile - p.tile_begin) * kBM + row_lo;
+  float* ws = p.scores + wrow * p.scores_stride;
+  // The filter's per-row state: the keys a row sees, its threshold as a float (a score is taken
+  // unless it is below: NaN always; the threshold "every key" is a NaN), this thread's slice of
+  // its candidates and how many it took.
+  // (Few registers: the 64-dim kernel is at its 128.) Row row_lo + 8 sees min(nv0 + 8, Lk) keys
+  // when causal; the padding rows of a ragged tile are never read. A row's candidates are staged
+  // in shared memory (kStage of them) and written to this CTA's slice of the row's candidates by
+  // the row's quad, 32 contiguous bytes per row and store instruction; `staged` and `flushed`
+  // (the same in the quad's 4 lanes) count them.
+  int nv0 = p.lk, staged[2] = {0, 0}, flushed[2] = {0, 0};
+  float row_min[2] = {0.f, 0.f};
+  uint2* const stage_buf =
+      reinterpret_cast<uint2*>(smem + 2 * L::kKBytes + heads * L::kTileBytes + kBM * heads * 4) +
+      row_lo * L::kStage;
+  if constexpr (kMode == 2) {
+    if (p.causal) {
+      const int64_t last = int64_t(m0) + row_lo + p.kv_offset + 1;
+      nv0 = int(last < 0 ? 0 : (last < p.lk ? last : p.lk));
+    }
+    row_min[0] = order_key_to_float(p.thresholds[wrow]);
+    row_min[1] = order_key_to_float(p.thresholds[wrow + 8]);
+  }
+  const unsigned quad = 0xfu << (lane & ~3);
+  auto flush = [&](int rr) {  // the quad's staged candidates of row rr to its slice
+    __syncwarp(quad);
+    uint2* dst = reinterpret_cast<uint2*>(p.cand) + (wrow + 8 * rr) * p.cand_cap + split * p.cand_slice;
+    for (int e = t; e < staged[rr]; e += 4)
+      if (flushed[rr] + e < p.cand_slice) dst[flushed[rr] + e] = stage_buf[rr * 8 * L::kStage + e];
+    __syncwarp(quad);
+    flushed[rr] += staged[rr];
+    staged[rr] = 0;
+  };
 
-  for (int kt = kt_begin; kt < kt_end; ++kt) {
-    const int stage = (kt - kt_begin) % 2;
-    cp_async_wait<0>();
-    __syncthreads();  // K[kt] (and Q, W) landed; every warp is done with the other stage
-    if (kt + 1 < kt_end) load_k(stage ^ 1, kt + 1);
-    cp_async_commit();
-    const uint32_t k_base = sK + stage * L::kKBytes + swz<kChunks>((lane / 16) * 8 + r8, (lane / 8) % 2);
-
+  // The scores of keys kt * 64 + half * 32 + [0, 32) of this thread's rows (mma.sync's m16n8
+  // accumulator layout per 8 keys) to the workspace, the sample or the candidates.
+  auto emit = [&](int kt, int half, const float (&acc)[4][4]) {
+    if constexpr (kMode == 2) {
+      // Keys n and n + 1 of rows row_lo and row_lo + 8 that the row sees and that are not below
+      // its threshold: staged after the row's earlier ones (the quad's prefix sum places them);
+      // the stage flushed first where they would not fit.
+      const int n0 = kt * kBN + half * 32 + 2 * t;
+      const bool inside = n0 - 2 * t + 32 <= nv0;  // every key of the 32 visible to both rows
+      const int nv1 = p.causal ? min(nv0 + 8, p.lk) : p.lk;
 #pragma unroll
-    for (int half = 0; half < kBN / 32; ++half) {  // 32 keys at a time
-      float acc[4][4];
+      for (int rr = 0; rr < 2; ++rr) {
+        uint32_t take = 0u;
 #pragma unroll
-      for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[ni][e] = 0.f;
-      for (int j0 = 0; j0 < heads; j0 += kScoreHeadsPerPass) {
-        float s[kScoreHeadsPerPass][4][4];
-#pragma unroll
-        for (int jj = 0; jj < kScoreHeadsPerPass; ++jj)
-#pragma unroll
-          for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[jj][ni][e] = 0.f;
-        static_for<kKSteps>([&](auto kk_) {
-          constexpr int kk = decltype(kk_)::value;
-          uint32_t fb[2][4];
-#pragma unroll
-          for (int np = 0; np < 2; ++np) ldmatrix_x4(fb[np], swz_step<kk>(k_base + (half * 2 + np) * kRow16));
-#pragma unroll
-          for (int jj = 0; jj < kScoreHeadsPerPass; ++jj) {
-            if (j0 + jj < heads) {
-              uint32_t fa[4];
-              ldmatrix_x4(fa, swz_step<kk>(q_base + (j0 + jj) * L::kTileBytes));
-#pragma unroll
-              for (int np = 0; np < 2; ++np) {
-                mma_16x8x16<kDtype>(s[jj][2 * np], fa, fb[np][0], fb[np][1]);
-                mma_16x8x16<kDtype>(s[jj][2 * np + 1], fa, fb[np][2], fb[np][3]);
-              }
-            }
-          }
-        });
-#pragma unroll
-        for (int jj = 0; jj < kScoreHeadsPerPass; ++jj) {
-          if (j0 + jj >= heads) continue;
-          if (!p.indexer) {
-#pragma unroll
-            for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc[ni][e] = s[jj][ni][e];
-            continue;
-          }
-          const float w0 = sW[row_lo * heads + j0 + jj], w1 = sW[(row_lo + 8) * heads + j0 + jj];
-#pragma unroll
-          for (int ni = 0; ni < 4; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              acc[ni][e] = fmaf(e < 2 ? w0 : w1, fmaxf(s[jj][ni][e], 0.f), acc[ni][e]);
+        for (int x = 0; x < 8; ++x) {
+          const int n = n0 + (x / 2) * 8 + x % 2;
+          if (!(acc[x / 2][rr * 2 + x % 2] < row_min[rr]) && (inside || n < (rr == 0 ? nv0 : nv1)))
+            take |= 1u << x;
         }
+        const int mine = __popc(take);
+        int incl = mine;
+#pragma unroll
+        for (int o = 1; o < 4; o *= 2) {
+          const int y = __shfl_up_sync(0xffffffffu, incl, o, 4);
+          if (t >= o) incl += y;
+        }
+        const int total = __shfl_sync(0xffffffffu, incl, 3, 4);
+        if (staged[rr] + total > L::kStage) flush(rr);  // quad-uniform
+        int pos = staged[rr] + incl - mine;
+#pragma unroll
+        for (int x = 0; x < 8; ++x)
+          if (take & (1u << x))
+            stage_buf[rr * 8 * L::kStage + pos++] =
+                make_uint2(__float_as_uint(acc[x / 2][rr * 2 + x % 2]), uint32_t(n0 + (x / 2) * 8 + x % 2));
+        staged[rr] += total;
       }
-      // Columns n and n + 1 of rows row_lo and row_lo + 8 (the workspace stride is a multiple of 4).
+    } else {
+      // Columns n and n + 1 of rows row_lo and row_lo + 8 (the workspace stride is a multiple
+      // of 4); the sample's columns are its tiles' keys in order.
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni) {
         const int n = kt * kBN + half * 32 + ni * 8 + 2 * t;
-        if (n < p.lk) {
+        if (kMode == 1 || n < p.lk) {
           *reinterpret_cast<float2*>(ws + n) = make_float2(acc[ni][0], acc[ni][1]);
           *reinterpret_cast<float2*>(ws + 8 * p.scores_stride + n) = make_float2(acc[ni][2], acc[ni][3]);
         }
       }
+    }
+  };
+
+  for (int i = 0; i < my_n; ++i) {
+    const int kt = split + i * p.n_splits, stage = i % 2;
+    cp_async_wait<0>();
+    if constexpr (kWgmma) fence_proxy_async();  // cp.async's writes, next read by wgmma
+    __syncthreads();  // K[kt] (and Q, W) landed; every warp is done with the other stage
+    if (i + 1 < my_n) load_k(stage ^ 1, kt + p.n_splits);
+    cp_async_commit();
+    const uint32_t k_base = sK + stage * L::kKBytes + swz<kChunks>((lane / 16) * 8 + r8, (lane / 8) % 2);
+
+    if constexpr (kWgmma) {
+      // One warpgroup: S_j = Q_j K^T (64 x 64: 4 wgmmas of K = 16 from the swizzled tiles) per
+      // head j, folded into acc (relu, weight) once it lands; the SM's other CTAs fill the wait.
+      float sj[32], acc[32];
+      for (int j = 0; j < heads; ++j) {
+        wgmma_fence();
+        static_for<kKSteps>([&](auto kk_) {
+          constexpr int kk = decltype(kk_)::value;
+          const uint64_t da = sw128_desc(sQ + j * L::kTileBytes + kk * 32, 16, 1024);
+          const uint64_t db = sw128_desc(sK + stage * L::kKBytes + kk * 32, 16, 1024);
+          Wgmma<kDtype, 64>::ss(sj, da, db, kk > 0 ? 1 : 0);
+        });
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(sj);
+        if (!p.indexer) {
+#pragma unroll
+          for (int x = 0; x < 32; ++x) acc[x] = sj[x];
+        } else {
+          const float w0 = sW[row_lo * heads + j], w1 = sW[(row_lo + 8) * heads + j];
+#pragma unroll
+          for (int x = 0; x < 32; ++x)
+            acc[x] = fmaf(x % 4 < 2 ? w0 : w1, fmaxf(sj[x], 0.f), j == 0 ? 0.f : acc[x]);
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float a4[4][4];
+#pragma unroll
+        for (int x = 0; x < 16; ++x) a4[x / 4][x % 4] = acc[half * 16 + x];
+        emit(kt, half, a4);
+      }
+    } else {
+#pragma unroll
+      for (int half = 0; half < kBN / 32; ++half) {  // 32 keys at a time
+        float acc[4][4];
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[ni][e] = 0.f;
+        for (int j0 = 0; j0 < heads; j0 += kScoreHeadsPerPass) {
+          float s[kScoreHeadsPerPass][4][4];
+#pragma unroll
+          for (int jj = 0; jj < kScoreHeadsPerPass; ++jj)
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) s[jj][ni][e] = 0.f;
+          static_for<kKSteps>([&](auto kk_) {
+            constexpr int kk = decltype(kk_)::value;
+            uint32_t fb[2][4];
+#pragma unroll
+            for (int np = 0; np < 2; ++np)
+              ldmatrix_x4(fb[np], swz_step<kk>(k_base + (half * 2 + np) * kRow16));
+#pragma unroll
+            for (int jj = 0; jj < kScoreHeadsPerPass; ++jj) {
+              if (j0 + jj < heads) {
+                uint32_t fa[4];
+                ldmatrix_x4(fa, swz_step<kk>(q_base + (j0 + jj) * L::kTileBytes));
+#pragma unroll
+                for (int np = 0; np < 2; ++np) {
+                  mma_16x8x16<kDtype>(s[jj][2 * np], fa, fb[np][0], fb[np][1]);
+                  mma_16x8x16<kDtype>(s[jj][2 * np + 1], fa, fb[np][2], fb[np][3]);
+                }
+              }
+            }
+          });
+#pragma unroll
+          for (int jj = 0; jj < kScoreHeadsPerPass; ++jj) {
+            if (j0 + jj >= heads) continue;
+            if (!p.indexer) {
+#pragma unroll
+              for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[ni][e] = s[jj][ni][e];
+              continue;
+            }
+            const float w0 = sW[row_lo * heads + j0 + jj], w1 = sW[(row_lo + 8) * heads + j0 + jj];
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                acc[ni][e] = fmaf(e < 2 ? w0 : w1, fmaxf(s[jj][ni][e], 0.f), acc[ni][e]);
+          }
+        }
+        emit(kt, half, acc);
+      }
+    }
+  }
+  if constexpr (kMode == 2) {
+    flush(0);
+    flush(1);
+    if (t == 0) {
+      p.cand_count[wrow * p.n_splits + split] = flushed[0];
+      p.cand_count[(wrow + 8) * p.n_splits + split] = flushed[1];
     }
   }
 #else
@@ -229,9 +376,17 @@ cudaError_t run_topk_score_(const TopkSelectParams& params, int64_t tiles, cudaS
     kernel<<<unsigned(grid), cuda::kScoreThreads, smem, stream>>>(params);
     return cudaGetLastError();
   };
-  if (topk_score_dim(params) <= 64)
-    return launch(cuda::topk_score_kernel<kDtype, 64>, cuda::ScoreLayout<64>::smem_bytes(heads));
-  return launch(cuda::topk_score_kernel<kDtype, 128>, cuda::ScoreLayout<128>::smem_bytes(heads));
+  auto by_dim = [&](auto mode) {
+    constexpr int kMode = decltype(mode)::value;
+    if (topk_score_dim(params) <= 64)
+      return launch(cuda::topk_score_kernel<kDtype, 64, kMode>,
+                    cuda::ScoreLayout<64>::smem_bytes(heads, kMode == 2));
+    return launch(cuda::topk_score_kernel<kDtype, 128, kMode>,
+                  cuda::ScoreLayout<128>::smem_bytes(heads, kMode == 2));
+  };
+  if (params.score_mode == 1) return by_dim(std::integral_constant<int, 1>{});
+  if (params.score_mode == 2) return by_dim(std::integral_constant<int, 2>{});
+  return by_dim(std::integral_constant<int, 0>{});
 }
 
 }  // namespace sparse_attn

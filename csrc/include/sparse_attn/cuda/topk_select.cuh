@@ -7,6 +7,13 @@
 // radix_select (radix_select.cuh) writes the k largest, ascending, ties to the lower index, NaN
 // ranking above everything (it must propagate, not be dropped). A row that sees at most k keys
 // takes them all without scoring.
+//
+// Filtered selection (params.h, SelectPlan::filter_stride): topk_threshold_kernel makes a row's
+// threshold from its sample of scores; topk_candidates_kernel selects among the keys that reached
+// it (the candidates hold every key at or above the k-th largest when there are at least k of
+// them, so the result is the unfiltered one), marks them in a bitmap of the row's keys and
+// writes the marked keys in order; topk_fallback_kernel selects the rows it could not decide the
+// unfiltered way.
 #pragma once
 
 #include <climits>
@@ -16,34 +23,34 @@
 #include "sparse_attn/cuda/element.cuh"
 #include "sparse_attn/cuda/radix_select.cuh"
 #include "sparse_attn/cuda/topk.h"
+#include "sparse_attn/plan.h"
 
 namespace sparse_attn::cuda {
 
-template <typename T>
-__global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_constant__ const TopkSelectParams p) {
-  // The selection's state, then the query of the CUDA-core scoring (exact: D floats; indexer:
-  // HI * DI + HI floats).
-  extern __shared__ __align__(16) char select_smem[];
-  SelectSmem& sm = *reinterpret_cast<SelectSmem*>(select_smem);
-  float* query_smem = reinterpret_cast<float*>(select_smem + sizeof(SelectSmem));
+// Keys query row i sees.
+__device__ __forceinline__ int visible_keys(const TopkSelectParams& p, int i) {
+  if (!p.causal) return p.lk;
+  const int64_t last = int64_t(i) + p.kv_offset + 1;
+  return int(last < 0 ? 0 : (last > p.lk ? p.lk : last));
+}
 
-  int64_t row;  // over (B, Hs, Lq)
-  if (p.prescored) {
-    const int64_t tile = p.tile_begin + blockIdx.x / 64;
-    const int i0 = int(tile % p.n_qtiles) * 64 + int(blockIdx.x % 64);
-    if (i0 >= p.lq) return;  // the last tile of a (b, hs) plane is ragged
-    row = tile / p.n_qtiles * p.lq + i0;
-  } else {
-    row = p.row_begin + blockIdx.x;
-  }
+// The row over (B, Hs, Lq) of workspace row w of a tile chunk; false for the padding rows of a
+// (b, hs) plane's ragged last tile.
+__device__ __forceinline__ bool chunk_row(const TopkSelectParams& p, int64_t w, int64_t& row) {
+  const int64_t tile = p.tile_begin + w / kTopkScoreBlockM;
+  const int i0 = int(tile % p.n_qtiles) * kTopkScoreBlockM + int(w % kTopkScoreBlockM);
+  row = tile / p.n_qtiles * p.lq + i0;
+  return i0 < p.lq;
+}
+
+// Selection of `row` over (B, Hs, Lq) into p.out from the scores in s, which this CTA writes
+// first unless `prescored`.
+template <typename T>
+__device__ void select_row(const TopkSelectParams& p, int64_t row, float* s, bool prescored, SelectSmem& sm,
+                           float* query_smem) {
   const int i = int(row % p.lq), hs = int((row / p.lq) % p.h_sel), b = int(row / (int64_t(p.lq) * p.h_sel));
-  float* s = p.scores + int64_t(blockIdx.x) * p.scores_stride;
   int32_t* out = p.out + row * p.topk;
-  int nv = p.lk;
-  if (p.causal) {
-    const int64_t last = int64_t(i) + p.kv_offset + 1;
-    nv = int(last < 0 ? 0 : (last > p.lk ? p.lk : last));
-  }
+  const int nv = visible_keys(p, i);
   const int kk = p.topk < nv ? p.topk : nv;
   if (kk == nv) {  // every visible key (or none): no scores needed
     for (int x = threadIdx.x; x < p.topk; x += kSelectThreads) out[x] = x < kk ? x : -1;
@@ -51,7 +58,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_cons
   }
 
   // 1. Scores of the visible keys, unless topk_score wrote them already.
-  if (!p.prescored && p.indexer) {
+  if (!prescored && p.indexer) {
     const T* iq = static_cast<const T*>(p.iq) + b * p.iq_batch_stride + int64_t(i) * p.iq_row_stride;
     const T* iw = static_cast<const T*>(p.iw) + b * p.iw_batch_stride + int64_t(i) * p.iw_row_stride;
     for (int x = threadIdx.x; x < p.hi * p.di; x += kSelectThreads)
@@ -68,13 +75,15 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_cons
       }
       s[j] = acc;
     }
-  } else if (!p.prescored) {
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride + int64_t(i) * p.q_row_stride;
+  } else if (!prescored) {
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + hs * p.q_head_stride +
+                 int64_t(i) * p.q_row_stride;
     const int hk = hs / p.h_per_kv;
     for (int d = threadIdx.x; d < p.d; d += kSelectThreads) query_smem[d] = to_f32(q[d]);
     __syncthreads();
     for (int j = threadIdx.x; j < nv; j += kSelectThreads) {
-      const T* kr = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + int64_t(j) * p.k_row_stride;
+      const T* kr = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
+                    int64_t(j) * p.k_row_stride;
       float dot = 0.f;
       for (int d = 0; d < p.d; ++d) dot = fmaf(query_smem[d], to_f32(kr[d]), dot);
       s[j] = dot;
@@ -87,6 +96,262 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(__grid_cons
   for (int x = kk + threadIdx.x; x < p.topk; x += kSelectThreads) out[x] = -1;
 }
 
+// The selection's shared memory: its state, then the query of the CUDA-core scoring (exact: D
+// floats; indexer: HI * DI + HI floats).
+template <typename T>
+__global__ void __launch_bounds__(kSelectThreads)
+    topk_select_kernel(__grid_constant__ const TopkSelectParams p) {
+  extern __shared__ __align__(16) char select_smem[];
+  SelectSmem& sm = *reinterpret_cast<SelectSmem*>(select_smem);
+  float* query_smem = reinterpret_cast<float*>(select_smem + sizeof(SelectSmem));
+  if (p.select_mode == 3) {  // the filter's undecided rows; this CTA's workspace row is its own
+    const int n = *p.fallback_count;
+    for (int x = blockIdx.x; x < n; x += gridDim.x) {
+      select_row<T>(p, p.fallback_rows[x], p.scores + int64_t(blockIdx.x) * p.scores_stride, false, sm,
+                    query_smem);
+      __syncthreads();
+    }
+    return;
+  }
+  int64_t row;  // over (B, Hs, Lq)
+  if (p.prescored) {
+    if (!chunk_row(p, blockIdx.x, row)) return;
+  } else {
+    row = p.row_begin + blockIdx.x;
+  }
+  select_row<T>(p, row, p.scores + int64_t(blockIdx.x) * p.scores_stride, p.prescored, sm, query_smem);
+}
+
+constexpr int kThresholdWarps = 8;  // rows per CTA of topk_threshold_kernel (a warp each)
+
+// Warp: the bin of `hist` (256 bins) where the count from the top reaches `need`; `need` becomes
+// the count still to take inside it. Requires need <= the histogram's total.
+__device__ __forceinline__ uint32_t warp_find_bin256(const unsigned* hist, int& need) {
+  const int lane = lane_id();
+  int sum = 0;  // lane L holds bins 255 - 8 L down to 248 - 8 L
+#pragma unroll
+  for (int j = 0; j < 8; ++j) sum += int(hist[255 - 8 * lane - j]);
+  int total;
+  const int before = warp_exclusive_sum(sum, total);
+  const int src = __ffs(__ballot_sync(0xffffffffu, before + sum >= need)) - 1;
+  int n = need - before, b = 255 - 8 * lane;
+  if (lane == src)
+    for (int j = 0; j < 7 && int(hist[b]) < n; ++j) n -= int(hist[b--]);
+  need = __shfl_sync(0xffffffffu, n, src);
+  return uint32_t(__shfl_sync(0xffffffffu, b, src));
+}
+
+// A filtered selection's threshold per workspace row, a warp per row: the key (top 16 bits)
+// that about cand_target of the row's visible keys should reach, from the rank it has in the row's
+// sample; 0 (every key) where the row sees at most half as many keys as its candidates hold (the
+// scoring threads' slices of them are uneven by up to a key tile per CTA).
+template <typename T>
+__global__ void __launch_bounds__(kThresholdWarps * 32)
+    topk_threshold_kernel(__grid_constant__ const TopkSelectParams p) {
+  __shared__ unsigned hists[kThresholdWarps][256];
+  const int warp = threadIdx.x / 32, lane = lane_id();
+  unsigned* hist = hists[warp];
+  const int64_t w = int64_t(blockIdx.x) * kThresholdWarps + warp;  // chunks are whole 64-row tiles
+  int64_t row;
+  if (!chunk_row(p, w, row)) return;
+  const int i = int(row % p.lq), nv = visible_keys(p, i);
+  // The sample: every stride-th of the key tiles the row's query tile sees (topk_score_kernel's,
+  // kMode 1), their keys in order.
+  const int m0 = i / kTopkScoreBlockM * kTopkScoreBlockM, rows = min(kTopkScoreBlockM, p.lq - m0);
+  const int n_kt = (visible_keys(p, m0 + rows - 1) + kTopkScoreBlockN - 1) / kTopkScoreBlockN;
+  const int stride = sample_tile_stride(p.filter_stride, n_kt), n_cols = n_kt / stride * kTopkScoreBlockN;
+  auto key_of = [&](int c) {
+    return ((c / kTopkScoreBlockN) * stride + stride - 1) * kTopkScoreBlockN + c % kTopkScoreBlockN;
+  };
+  int in_sample = 0;  // the row's visible keys in the sample
+  for (int c0 = 0; c0 < n_cols; c0 += kTopkScoreBlockN)
+    in_sample += max(0, min(kTopkScoreBlockN, nv - key_of(c0)));
+  int need = int((int64_t(p.cand_target) * in_sample + nv - 1) / nv);
+  if (2 * nv <= p.cand_cap || need > in_sample || need < 1) {
+    if (lane == 0) p.thresholds[w] = 0u;
+    return;
+  }
+  const float* s = p.scores + w * p.scores_stride;
+  uint32_t prefix = 0u, known = 0u;
+  for (int shift = 24; shift >= 16; shift -= 8) {
+    for (int x = lane; x < 256; x += 32) hist[x] = 0u;
+    __syncwarp();
+    // Four columns of one tile per lane (rows are 16-byte aligned, tiles 64 columns), four loads
+    // in flight.
+    for (int c0 = 0; c0 < n_cols; c0 += 512) {
+      float4 v[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int c = c0 + 128 * r + 4 * lane;
+        if (c < n_cols) v[r] = *reinterpret_cast<const float4*>(s + c);
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int c = c0 + 128 * r + 4 * lane, j = c < n_cols ? key_of(c) : nv;
+        const float f[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t u = order_key(f[e]);
+          hist_add(hist, (u >> shift) & 255u, j + e < nv && (u & known) == prefix);
+        }
+      }
+    }
+    __syncwarp();
+    prefix |= warp_find_bin256(hist, need) << shift;
+    known |= 255u << shift;
+    __syncwarp();
+  }
+  if (lane == 0) p.thresholds[w] = prefix;
+}
+
+struct CandidateSmem {
+  unsigned hist[256];
+  int warp_sums[kSelectWarps];
+  int start[kMaxFilterSplits], count[kMaxFilterSplits];  // the slices' offsets and lengths
+  int need;
+  uint32_t digit;
+};
+
+// Bytes of topk_candidates_kernel's shared memory: the state, the candidates' keys, two bitmaps of
+// the keys (above the threshold, at it).
+inline size_t candidate_smem_bytes(int cand_cap, int lk) {
+  return sizeof(CandidateSmem) + size_t(cand_cap) * 4 + size_t((lk + 31) / 32) * 8;
+}
+
+// Exclusive prefix sum of x over the CTA in thread order, and the CTA total.
+__device__ __forceinline__ int cta_exclusive_sum(int x, int* warp_sums, int& total) {
+  const int warp = threadIdx.x / 32;
+  int warp_total;
+  int before = warp_exclusive_sum(x, warp_total);
+  if (lane_id() == 0) warp_sums[warp] = warp_total;
+  __syncthreads();
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kSelectWarps; ++w) {
+    before += w < warp ? warp_sums[w] : 0;
+    total += warp_sums[w];
+  }
+  __syncthreads();
+  return before;
+}
+
+// f(position, key, index) for the row's candidates this thread reads: warp w reads slices w,
+// w + 8, ..., each lane every 32nd entry of a slice's filled part (3 loads in flight); position =
+// the candidate's place in the slices' concatenation.
+template <typename F>
+__device__ __forceinline__ void for_candidates(const uint2* cand, int n_seg, int cap_t,
+                                               const CandidateSmem& sm, F&& f) {
+  constexpr int kUnroll = 3;
+  const int warp = threadIdx.x / 32, lane = lane_id();
+  for (int seg = warp; seg < n_seg; seg += kSelectWarps) {
+    const uint2* src = cand + seg * cap_t;
+    const int n = sm.count[seg], base = sm.start[seg];
+    for (int c0 = lane; c0 < n; c0 += 32 * kUnroll) {
+      uint2 v[kUnroll];
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r)
+        if (c0 + 32 * r < n) v[r] = src[c0 + 32 * r];
+#pragma unroll
+      for (int r = 0; r < kUnroll; ++r)
+        if (c0 + 32 * r < n) f(base + c0 + 32 * r, order_key(__uint_as_float(v[r].x)), int(v[r].y));
+    }
+  }
+}
+
+// Selection among a workspace row's candidates (every visible key not below its threshold, in
+// the slices of its scoring threads; scores as float bits).
+template <typename T>
+__global__ void __launch_bounds__(kSelectThreads)
+    topk_candidates_kernel(__grid_constant__ const TopkSelectParams p) {
+  extern __shared__ __align__(16) char cand_smem[];
+  CandidateSmem& sm = *reinterpret_cast<CandidateSmem*>(cand_smem);
+  uint32_t* keys = reinterpret_cast<uint32_t*>(cand_smem + sizeof(CandidateSmem));
+  uint32_t* above = keys + p.cand_cap;
+  uint32_t* at = above + (p.lk + 31) / 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = lane_id();
+  int64_t row;
+  if (!chunk_row(p, blockIdx.x, row)) return;
+  const int nv = visible_keys(p, int(row % p.lq));
+  const int kk = p.topk < nv ? p.topk : nv;
+  int32_t* out = p.out + row * p.topk;
+  if (kk == nv) {
+    for (int x = tid; x < p.topk; x += kSelectThreads) out[x] = x < kk ? x : -1;
+    return;
+  }
+  // The slices: one per scoring CTA of the row's query tile.
+  const int n_seg = p.n_splits, cap_t = p.cand_slice;
+  const int mine = tid < n_seg ? p.cand_count[int64_t(blockIdx.x) * n_seg + tid] : 0;
+  int count;
+  const int off = cta_exclusive_sum(mine, sm.warp_sums, count);
+  if (__syncthreads_or(mine > cap_t) || count < kk) {  // the fallback decides this row
+    if (tid == 0) p.fallback_rows[atomicAdd(p.fallback_count, 1)] = row;
+    return;
+  }
+  if (tid < n_seg) sm.start[tid] = off, sm.count[tid] = mine;
+  const int words = (nv + 31) / 32;
+  for (int x = tid; x < words; x += kSelectThreads) above[x] = at[x] = 0u;
+  __syncthreads();
+  const uint2* cand = reinterpret_cast<const uint2*>(p.cand) + int64_t(blockIdx.x) * p.cand_cap;
+  for_candidates(cand, n_seg, cap_t, sm, [&](int x, uint32_t key, int) { keys[x] = key; });
+  __syncthreads();
+
+  // The kk-th largest key, 8 bits a round; `need` becomes the number of keys equal to it to take
+  // (lowest index first).
+  int need = kk;
+  uint32_t threshold = 0u, known = 0u;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int x = tid; x < 256; x += kSelectThreads) sm.hist[x] = 0u;
+    __syncthreads();
+    for (int c0 = warp * 32; c0 < count; c0 += kSelectThreads) {
+      const int c = c0 + lane;
+      const uint32_t u = c < count ? keys[c] : 0u;
+      hist_add(sm.hist, (u >> shift) & 255u, c < count && (u & known) == threshold);
+    }
+    __syncthreads();
+    if (warp == 0) {
+      const uint32_t digit = warp_find_bin256(sm.hist, need);
+      if (lane == 0) sm.digit = digit, sm.need = need;
+    }
+    __syncthreads();
+    threshold |= sm.digit << shift;
+    known |= 255u << shift;
+    need = sm.need;
+    __syncthreads();  // sm.digit / sm.need are rewritten by the next round
+  }
+  for_candidates(cand, n_seg, cap_t, sm, [&](int, uint32_t key, int j) {
+    if (key > threshold)
+      atomicOr(&above[j / 32], 1u << (j % 32));
+    else if (key == threshold)
+      atomicOr(&at[j / 32], 1u << (j % 32));
+  });
+  __syncthreads();
+
+  // Each thread its own contiguous words: ties taken in key order up to `need`, then every marked
+  // key written in order.
+  const int per = (words + kSelectThreads - 1) / kSelectThreads;
+  const int w0 = min(words, tid * per), w1 = min(words, w0 + per);
+  int n_at = 0;
+  for (int x = w0; x < w1; ++x) n_at += __popc(at[x]);
+  int total;
+  int tie_rank = cta_exclusive_sum(n_at, sm.warp_sums, total);
+  int n_take = 0;
+  for (int x = w0; x < w1; ++x) {
+    uint32_t word = above[x], ties = at[x];
+    while (ties != 0u && tie_rank < need) {
+      word |= ties & (~ties + 1u);  // the lowest tie bit
+      ties &= ties - 1u;
+      ++tie_rank;
+    }
+    above[x] = word;
+    n_take += __popc(word);
+  }
+  int pos = cta_exclusive_sum(n_take, sm.warp_sums, total);
+  for (int x = w0; x < w1; ++x) {
+    for (uint32_t word = above[x]; word != 0u; word &= word - 1u) out[pos++] = x * 32 + __ffs(word) - 1;
+  }
+  for (int x = kk + tid; x < p.topk; x += kSelectThreads) out[x] = -1;
+}
+
 }  // namespace sparse_attn::cuda
 
 namespace sparse_attn {
@@ -96,12 +361,21 @@ cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaS
   using T = typename cuda::ElementOf<kDtype>::type;
   if (rows <= 0) return cudaSuccess;
   if (rows > INT_MAX) return cudaErrorInvalidConfiguration;
-  const size_t smem = sizeof(cuda::SelectSmem) +
-                      sizeof(float) * (params.indexer ? size_t(params.hi) * params.di + params.hi : params.d);
-  auto kernel = cuda::topk_select_kernel<T>;
-  SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  kernel<<<unsigned(rows), cuda::kSelectThreads, smem, stream>>>(params);
-  return cudaGetLastError();
+  auto launch = [&](auto kernel, size_t smem) -> cudaError_t {
+    SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    kernel<<<unsigned(rows), cuda::kSelectThreads, smem, stream>>>(params);
+    return cudaGetLastError();
+  };
+  if (params.select_mode == 1) {  // a warp per row
+    cuda::topk_threshold_kernel<T><<<unsigned((rows + cuda::kThresholdWarps - 1) / cuda::kThresholdWarps),
+                                     cuda::kThresholdWarps * 32, 0, stream>>>(params);
+    return cudaGetLastError();
+  }
+  if (params.select_mode == 2)
+    return launch(cuda::topk_candidates_kernel<T>, cuda::candidate_smem_bytes(params.cand_cap, params.lk));
+  return launch(cuda::topk_select_kernel<T>,
+                sizeof(cuda::SelectSmem) +
+                    sizeof(float) * (params.indexer ? size_t(params.hi) * params.di + params.hi : params.d));
 }
 
 }  // namespace sparse_attn
