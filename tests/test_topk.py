@@ -273,6 +273,10 @@ GATHER_SHAPES = {
     "gqa_per_kv_head": (2, 16, 4, 4, 19, 130, 64),
     "gqa_gcd_2": (1, 12, 3, 2, 17, 200, 96),
     "per_head": (2, 8, 2, 8, 9, 90, 64),
+    # Four groups of 16 heads per token share K/V stages (gather_mma's kShared), at both head dims,
+    # and beside them heads in 2 K/V groups of 64 (a batch of two: every CTA one token).
+    "mqa_64_heads_shared": (2, 64, 1, 1, 13, 300, 128),
+    "gqa_128_heads_shared_d64": (1, 128, 2, 2, 11, 150, 64),
 }
 
 

@@ -7,6 +7,11 @@
 // with zero rows when the group is smaller). Keys are visited 32 at a time through a two-stage
 // cp.async ring per warp; listed slots that are -1 or out of range are zero-filled and masked.
 // Softmax, P packing and the epilogue's normaliser are the flash kernels' (flash_softmax.cuh).
+//
+// kShared: where four consecutive groups share the kv head and the index set (64 heads of one MQA
+// token, say), a CTA's four warps are those four groups of one token and share one ring of K/V
+// stages, each warp loading a quarter of every stage: a K/V row crosses L2 once per 64 heads
+// instead of once per 16, and the CTA needs 48 KiB of shared memory instead of 144 (D = 128).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,10 +38,12 @@ struct GatherMmaLayout {
   static constexpr int kKVBytes = kGatherMmaKeys * kHeadDim * 2;
   static constexpr int kWarpBytes = kQBytes + kGatherMmaStages * 2 * kKVBytes;  // Q, then (K, V) per stage
   static constexpr int kSmemBytes = kGatherMmaWarps * kWarpBytes;
+  // kShared: the warps' Q, then one ring of (K, V) stages.
+  static constexpr int kSharedSmemBytes = kGatherMmaWarps * kQBytes + kGatherMmaStages * 2 * kKVBytes;
 };
 
 // group: heads per warp (<= 16; divides H and the run of heads sharing a kv head and an index set).
-template <ScalarKind kDtype, int kHeadDim>
+template <ScalarKind kDtype, int kHeadDim, bool kShared>
 __global__ void __launch_bounds__(kGatherMmaWarps * 32)
     gather_mma_kernel(__grid_constant__ const AttnFwdParams p, const int group) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -50,13 +57,23 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int groups = p.h / group;
-  const int64_t task = int64_t(blockIdx.x) * kGatherMmaWarps + warp;  // over (B, groups, Lq)
-  if (task >= int64_t(p.b) * groups * p.lq) return;
-  const int i = int(task % p.lq), hg = int((task / p.lq) % groups), b = int(task / (int64_t(p.lq) * groups));
+  int i, hg, b;
+  if constexpr (kShared) {  // CTA over (B, groups / 4, Lq); warp = the group within the four
+    const int64_t task = blockIdx.x, quads = groups / kGatherMmaWarps;
+    i = int(task % p.lq);
+    hg = int((task / p.lq) % quads) * kGatherMmaWarps + warp;
+    b = int(task / (int64_t(p.lq) * quads));
+  } else {
+    const int64_t task = int64_t(blockIdx.x) * kGatherMmaWarps + warp;  // over (B, groups, Lq)
+    if (task >= int64_t(p.b) * groups * p.lq) return;
+    i = int(task % p.lq), hg = int((task / p.lq) % groups), b = int(task / (int64_t(p.lq) * groups));
+  }
   const int h0 = hg * group, hk = h0 / p.h_per_kv;
 
-  const uint32_t sQ = smem_u32(smem) + warp * L::kWarpBytes;
-  auto sK = [&](int stage) { return sQ + L::kQBytes + stage * 2 * L::kKVBytes; };
+  const uint32_t sQ = smem_u32(smem) + warp * (kShared ? L::kQBytes : L::kWarpBytes);
+  auto sK = [&](int stage) {
+    return (kShared ? smem_u32(smem) + kGatherMmaWarps * L::kQBytes : sQ + L::kQBytes) + stage * 2 * L::kKVBytes;
+  };
   auto sV = [&](int stage) { return sK(stage) + L::kKVBytes; };
 
   const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
@@ -83,10 +100,13 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
     const int pos = chunk * kGatherMmaKeys + lane;
     return chunk < n_stages && pos < p.topk ? __ldg(idx + pos) : -1;
   };
+  // kShared: warp w loads slots [8 w, 8 w + 8) of each stage.
+  constexpr int kLoadRows = kShared ? kGatherMmaKeys / kGatherMmaWarps : kGatherMmaKeys;
+  const int u0 = kShared ? warp * kLoadRows : 0;
   auto issue = [&](int stage, int jl) {
 #pragma unroll
-    for (int s = 0; s < kGatherMmaKeys / kRowsPerStep; ++s) {
-      const int u = r0 + s * kRowsPerStep;
+    for (int s = 0; s < kLoadRows / kRowsPerStep; ++s) {
+      const int u = u0 + r0 + s * kRowsPerStep;
       const int j = __shfl_sync(0xffffffffu, jl, u);
       const bool ok = col_ok && j >= 0 && j < p.lk;
       cp_async_16(sK(stage) + swz<kChunks>(u, c), ok ? k + int64_t(j) * p.k_row_stride + c * 8 : k,
@@ -122,7 +142,10 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
     } else {
       cp_async_wait<0>();
     }
-    __syncwarp();
+    if constexpr (kShared)
+      __syncthreads();  // every warp's quarter of the stage landed
+    else
+      __syncwarp();
     if (it == 0) {
       const uint32_t q_base = sQ + swz<kChunks>(((lane / 8) % 2) * 8 + r8, lane / 16);
       static_for<kKSteps>([&](auto kk_) {
@@ -173,13 +196,16 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
       mma_16x8x16<kDtype>(acc_o[0][2 * dp], pa[0][kk], fb[0], fb[1]);
       mma_16x8x16<kDtype>(acc_o[0][2 * dp + 1], pa[0][kk], fb[2], fb[3]);
     });
-    __syncwarp();  // every lane is done with this stage before it is refilled
+    if constexpr (kShared)
+      __syncthreads();  // every warp is done with this stage before it is refilled
+    else
+      __syncwarp();  // every lane is done with this stage before it is refilled
   }
   cp_async_wait<0>();
   __syncwarp();
 
   // Epilogue: O / l staged through the warp's Q space for 16-byte stores; LSE.
-  char* so = smem + warp * L::kWarpBytes;
+  char* so = smem + warp * (kShared ? L::kQBytes : L::kWarpBytes);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float lse;
@@ -208,15 +234,27 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
 
 template <ScalarKind kDtype, int kHeadDim>
 cudaError_t run_gather_mma_(const AttnFwdParams& p, int group, cudaStream_t stream) {
+  // Shared stages where four consecutive groups read one kv head and one index set: the run of
+  // heads sharing both (gcd(H / Hkv, H / Hi)) holds a whole number of four-group blocks.
+  int run = p.h_per_kv, c = p.h_per_idx;
+  while (c != 0) {
+    const int r = run % c;
+    run = c;
+    c = r;
+  }
+  const bool shared = run % (kGatherMmaWarps * group) == 0;
   const int64_t tasks = int64_t(p.b) * (p.h / group) * p.lq;
-  const int64_t blocks = (tasks + kGatherMmaWarps - 1) / kGatherMmaWarps;
+  const int64_t blocks = (tasks + kGatherMmaWarps - 1) / kGatherMmaWarps;  // exact when shared
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  constexpr int kSmem = GatherMmaLayout<kHeadDim>::kSmemBytes;
-  auto kernel = gather_mma_kernel<kDtype, kHeadDim>;
-  SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<unsigned(blocks), kGatherMmaWarps * 32, kSmem, stream>>>(p, group);
-  return cudaGetLastError();
+  auto launch = [&](auto kernel, int smem) -> cudaError_t {
+    SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<unsigned(blocks), kGatherMmaWarps * 32, smem, stream>>>(p, group);
+    return cudaGetLastError();
+  };
+  if (shared)
+    return launch(gather_mma_kernel<kDtype, kHeadDim, true>, GatherMmaLayout<kHeadDim>::kSharedSmemBytes);
+  return launch(gather_mma_kernel<kDtype, kHeadDim, false>, GatherMmaLayout<kHeadDim>::kSmemBytes);
 }
 
 }  // namespace sparse_attn::cuda
