@@ -72,7 +72,8 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
 
   const uint32_t sQ = smem_u32(smem) + warp * (kShared ? L::kQBytes : L::kWarpBytes);
   auto sK = [&](int stage) {
-    return (kShared ? smem_u32(smem) + kGatherMmaWarps * L::kQBytes : sQ + L::kQBytes) + stage * 2 * L::kKVBytes;
+    return (kShared ? smem_u32(smem) + kGatherMmaWarps * L::kQBytes : sQ + L::kQBytes) +
+           stage * 2 * L::kKVBytes;
   };
   auto sV = [&](int stage) { return sK(stage) + L::kKVBytes; };
 
