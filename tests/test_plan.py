@@ -265,6 +265,32 @@ def test_select_plans():
     assert [x.core for x in plan.launches] == ["cuda_cores", "cuda_cores"]
 
 
+def test_select_filters_long_rows():
+    """The filtered selection (scores kept on chip): taken where rows are long against k, with the
+    sample stride and the candidates' room of the plan's rule; off by override, and unfiltered at
+    lengths under 4x the room."""
+    g = torch.Generator().manual_seed(0)
+
+    def indexer(length, k):
+        iq = torch.randn(1, length, 4, 64, generator=g).to(torch.bfloat16)
+        ik = torch.randn(1, length, 64, generator=g).to(torch.bfloat16)
+        iw = torch.rand(1, length, 4, generator=g).to(torch.bfloat16)
+        q = torch.zeros(1, 2, length, 128, dtype=torch.bfloat16)
+        kv = torch.zeros(1, 1, length, 128, dtype=torch.bfloat16)
+        args = dict(causal=True, index_query=iq, index_key=ik, index_weights=iw, target="sm90")
+        return sparse_attn.explain(sparse_attn.topk_attention, q, kv, kv, k, **args).launches[0]
+
+    select = indexer(65536, 2048)  # 3072 candidates aimed at, room 6144, 192 of them in a 1/16 sample
+    assert select.options["filter_stride"] == 16 and select.options["candidates"] == 6144
+    select = indexer(65536, 256)  # k small: 2048 candidates aimed at, a 1/8 sample
+    assert select.options["filter_stride"] == 8 and select.options["candidates"] == 4438
+    assert indexer(16384, 2048).options["filter_stride"] == 0  # 16k < 4 x 6144
+    with overrides(select_filter_stride=-1):
+        assert indexer(65536, 2048).options["filter_stride"] == 0
+    with overrides(select_filter_stride=2):
+        assert indexer(65536, 2048).options["filter_stride"] == 2
+
+
 def test_nothing_to_compute():
     q, k, v = _qkv(lq=0)
     assert _only(sparse_attn.explain(sparse_attn.flash_attention, q, k, v, target="sm90")).core == "none"
