@@ -47,10 +47,10 @@ def _indexer(b, lq, lk, heads, seed):
     )
 
 
-def _exact(b, h, hkv, lq, lk, seed):
+def _exact(b, h, hkv, lq, lk, seed, d=64):
     return (
-        small_ints((b, h, lq, 64), seed, torch.float16, "cuda"),
-        small_ints((b, hkv, lk, 64), seed + 1, torch.float16, "cuda"),
+        small_ints((b, h, lq, d), seed, torch.float16, "cuda"),
+        small_ints((b, hkv, lk, d), seed + 1, torch.float16, "cuda"),
     )
 
 
@@ -65,16 +65,27 @@ def _check(idx, inputs, k, causal):
 @pytest.mark.parametrize(
     "case",
     [
-        ("indexer", 2, 1, 1, 300, 3000, 33),
-        ("indexer", 1, 1, 1, 2100, 2100, 200),
-        ("exact", 2, 2, 1, 130, 4000, 64),
-        ("exact", 1, 3, 3, 64, 2500, 300),
+        ("indexer", 2, 1, 1, 300, 3000, 33, 64),
+        ("indexer", 1, 1, 1, 2100, 2100, 200, 64),
+        ("exact", 2, 2, 1, 130, 4000, 64, 64),
+        ("exact", 1, 3, 3, 64, 2500, 300, 64),
+        ("exact", 1, 2, 1, 100, 3000, 64, 128),
     ],
-    ids=["indexer_lq300_lk3000_k33", "indexer_square2100_k200", "exact_gqa_lk4000_k64", "exact_mha_lk2500_k300"],
+    ids=[
+        "indexer_lq300_lk3000_k33",
+        "indexer_square2100_k200",
+        "exact_gqa_lk4000_k64",
+        "exact_mha_lk2500_k300",
+        "exact_d128_lk3000_k64",
+    ],
 )
 def test_filtered_selection_equals_the_reference(case, causal, stride):
-    mode, b, h, hkv, lq, lk, k = case
-    inputs = _indexer(b, lq, lk, 3, seed=lk + k) if mode == "indexer" else _exact(b, h, hkv, lq, lk, seed=lk + k)
+    """Dimension 64 scores on the wgmma scorer on sm_90a, 128 on the mma.sync one."""
+    mode, b, h, hkv, lq, lk, k, d = case
+    if mode == "indexer":
+        inputs = _indexer(b, lq, lk, 3, seed=lk + k)
+    else:
+        inputs = _exact(b, h, hkv, lq, lk, seed=lk + k, d=d)
     plan = _plan(inputs, k, causal, select_filter_stride=stride)
     target = max(3 * min(k, lk) // 2, min(2048, lk // 8))
     assert int(plan["filter_stride"]) == stride and int(plan["candidates"]) == (5 * target + 2) // 3 + 1024
