@@ -140,21 +140,26 @@ __device__ __forceinline__ void for_segment(const float* s, int begin, int end, 
   }
 }
 
-// Exclusive prefix count of `flag` over the CTA in thread order, and the CTA total.
-__device__ __forceinline__ int cta_exclusive_count(bool flag, int* warp_counts, int& total) {
-  const int lane = lane_id(), warp = threadIdx.x / 32;
-  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-  if (lane == 0) warp_counts[warp] = __popc(ballot);
+// Exclusive prefix sum of x over the CTA in thread order, and the CTA total (every thread calls it).
+__device__ __forceinline__ int cta_exclusive_sum(int x, int* warp_sums, int& total) {
+  const int warp = threadIdx.x / 32;
+  int warp_total;
+  int before = warp_exclusive_sum(x, warp_total);
+  if (lane_id() == 0) warp_sums[warp] = warp_total;
   __syncthreads();
-  int before = __popc(ballot & ((1u << lane) - 1u));
   total = 0;
 #pragma unroll
   for (int w = 0; w < kSelectWarps; ++w) {
-    before += w < warp ? warp_counts[w] : 0;
-    total += warp_counts[w];
+    before += w < warp ? warp_sums[w] : 0;
+    total += warp_sums[w];
   }
   __syncthreads();
   return before;
+}
+
+// Exclusive prefix count of `flag` over the CTA in thread order, and the CTA total.
+__device__ __forceinline__ int cta_exclusive_count(bool flag, int* warp_counts, int& total) {
+  return cta_exclusive_sum(flag ? 1 : 0, warp_counts, total);
 }
 
 // The fallback: four 8-bit histogram passes over the row, then an ordered write.

@@ -218,23 +218,6 @@ inline size_t candidate_smem_bytes(int cand_cap, int lk) {
   return sizeof(CandidateSmem) + size_t(cand_cap) * 4 + size_t((lk + 31) / 32) * 8;
 }
 
-// Exclusive prefix sum of x over the CTA in thread order, and the CTA total.
-__device__ __forceinline__ int cta_exclusive_sum(int x, int* warp_sums, int& total) {
-  const int warp = threadIdx.x / 32;
-  int warp_total;
-  int before = warp_exclusive_sum(x, warp_total);
-  if (lane_id() == 0) warp_sums[warp] = warp_total;
-  __syncthreads();
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < kSelectWarps; ++w) {
-    before += w < warp ? warp_sums[w] : 0;
-    total += warp_sums[w];
-  }
-  __syncthreads();
-  return before;
-}
-
 // f(position, key, index) for the row's candidates this thread reads: warp w reads slices w,
 // w + 8, ..., each lane every 32nd entry of a slice's filled part (3 loads in flight); position =
 // the candidate's place in the slices' concatenation.
