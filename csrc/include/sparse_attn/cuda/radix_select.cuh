@@ -84,22 +84,30 @@ __device__ __forceinline__ void hist_add(unsigned* hist, unsigned bin, bool acti
   }
 }
 
-// Warp 0: walking bins from the top, the bin where the running count reaches `need`; writes it
-// and the count still to take inside it to sm.digit / sm.need.
-template <typename Smem>  // SelectSmem, or any state with `digit` and `need`
-__device__ __forceinline__ void find_bin(const unsigned* hist, int nbins, int need, Smem& sm) {
+// A warp: walking the nbins bins (a multiple of 32) from the top, the bin where the running count
+// reaches `need` (at most the histogram's total); `need` becomes the count still to take inside it.
+__device__ __forceinline__ uint32_t warp_find_bin(const unsigned* hist, int nbins, int& need) {
   const int lane = lane_id(), per = nbins / 32;
   const int hi = nbins - lane * per;  // this lane's bins: [hi - per, hi), walked downwards
   int sum = 0;
   for (int b = hi - 1; b >= hi - per; --b) sum += int(hist[b]);
   int total;
   const int before = warp_exclusive_sum(sum, total);
-  const unsigned reach = __ballot_sync(0xffffffffu, before + sum >= need);
-  if (lane == __ffs(reach) - 1) {
-    int n = need - before, b = hi - 1;
+  const int src = __ffs(__ballot_sync(0xffffffffu, before + sum >= need)) - 1;
+  int n = need - before, b = hi - 1;
+  if (lane == src)
     for (; b > hi - per && int(hist[b]) < n; --b) n -= int(hist[b]);
-    sm.digit = uint32_t(b);
-    sm.need = n;
+  need = __shfl_sync(0xffffffffu, n, src);
+  return uint32_t(__shfl_sync(0xffffffffu, b, src));
+}
+
+// Warp 0: warp_find_bin's bin and remaining count written to sm.digit / sm.need.
+template <typename Smem>  // SelectSmem, or any state with `digit` and `need`
+__device__ __forceinline__ void find_bin(const unsigned* hist, int nbins, int need, Smem& sm) {
+  const uint32_t digit = warp_find_bin(hist, nbins, need);
+  if (lane_id() == 0) {
+    sm.digit = digit;
+    sm.need = need;
   }
 }
 

@@ -12,8 +12,8 @@
 // threshold from its sample of scores; topk_candidates_kernel selects among the keys that reached
 // it (the candidates hold every key at or above the k-th largest when there are at least k of
 // them, so the result is the unfiltered one), marks them in a bitmap of the row's keys and
-// writes the marked keys in order; topk_fallback_kernel selects the rows it could not decide the
-// unfiltered way.
+// writes the marked keys in order; topk_select_kernel (select_mode 3) selects the rows it could
+// not decide the unfiltered way.
 #pragma once
 
 #include <climits>
@@ -124,23 +124,6 @@ __global__ void __launch_bounds__(kSelectThreads)
 
 constexpr int kThresholdWarps = 8;  // rows per CTA of topk_threshold_kernel (a warp each)
 
-// Warp: the bin of `hist` (256 bins) where the count from the top reaches `need`; `need` becomes
-// the count still to take inside it. Requires need <= the histogram's total.
-__device__ __forceinline__ uint32_t warp_find_bin256(const unsigned* hist, int& need) {
-  const int lane = lane_id();
-  int sum = 0;  // lane L holds bins 255 - 8 L down to 248 - 8 L
-#pragma unroll
-  for (int j = 0; j < 8; ++j) sum += int(hist[255 - 8 * lane - j]);
-  int total;
-  const int before = warp_exclusive_sum(sum, total);
-  const int src = __ffs(__ballot_sync(0xffffffffu, before + sum >= need)) - 1;
-  int n = need - before, b = 255 - 8 * lane;
-  if (lane == src)
-    for (int j = 0; j < 7 && int(hist[b]) < n; ++j) n -= int(hist[b--]);
-  need = __shfl_sync(0xffffffffu, n, src);
-  return uint32_t(__shfl_sync(0xffffffffu, b, src));
-}
-
 // A filtered selection's threshold per workspace row, a warp per row: the key (top 16 bits)
 // that about cand_target of the row's visible keys should reach, from the rank it has in the row's
 // sample; 0 (every key) where the row sees at most half as many keys as its candidates hold (the
@@ -197,7 +180,7 @@ __global__ void __launch_bounds__(kThresholdWarps * 32)
       }
     }
     __syncwarp();
-    prefix |= warp_find_bin256(hist, need) << shift;
+    prefix |= warp_find_bin(hist, 256, need) << shift;
     known |= 255u << shift;
     __syncwarp();
   }
@@ -291,10 +274,7 @@ __global__ void __launch_bounds__(kSelectThreads)
       hist_add(sm.hist, (u >> shift) & 255u, c < count && (u & known) == threshold);
     }
     __syncthreads();
-    if (warp == 0) {
-      const uint32_t digit = warp_find_bin256(sm.hist, need);
-      if (lane == 0) sm.digit = digit, sm.need = need;
-    }
+    if (warp == 0) find_bin(sm.hist, 256, need, sm);
     __syncthreads();
     threshold |= sm.digit << shift;
     known |= 255u << shift;
