@@ -7,27 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from utils import band_mask as _band
 from utils import check_attention, make_qkv
 
 import sparse_attn
 from sparse_attn import patterns, reference
 
 LENS = [300, 129, 0, 64]
-
-
-def _band(lq, lk, causal=False, window=None):
-    i = torch.arange(lq)[:, None] + (lk - lq)
-    j = torch.arange(lk)[None, :]
-    m = torch.ones(lq, lk, dtype=torch.bool)
-    if causal:
-        m &= j <= i
-    if window is not None:
-        left, right = window
-        if left is not None:
-            m &= j >= i - left
-        if right is not None:
-            m &= j <= i + right
-    return m
 
 
 def _with_lengths(mask, lens, lk):

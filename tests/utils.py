@@ -83,6 +83,23 @@ def check_attention(out, lse, q, k, v, *, mask=None, causal=False, scale=None, n
     return gold
 
 
+def band_mask(lq: int, lk: int, causal: bool = False, window=None) -> torch.Tensor:
+    """(Lq, Lk) bool: what flash_attention's causal and window=(left, right) let row i see
+    (bottom-right aligned; a bound of None is unbounded)."""
+    i = torch.arange(lq)[:, None] + (lk - lq)
+    j = torch.arange(lk)[None, :]
+    m = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        m &= j <= i
+    if window is not None:
+        left, right = window
+        if left is not None:
+            m &= j >= i - left
+        if right is not None:
+            m &= j <= i + right
+    return m
+
+
 def block_kernel_mask(mask: BlockSparseMask) -> BlockSparseMask:
     """The same block mask as a plain one: block_sparse_attention runs it through the block-sparse
     kernel even where the pattern builder's tag would route it elsewhere (patterns.causal,

@@ -40,7 +40,12 @@ def cases():
         q, k, v = qkv(L, d)
         mask = build(L)
         plain = sparse_attn.BlockSparseMask(
-            mask.kv_num_blocks, mask.kv_indices, mask.kv_partial, mask.partial_masks, seq_lengths=(L, L)
+            mask.kv_num_blocks,
+            mask.kv_indices,
+            mask.kv_partial,
+            mask.partial_masks,
+            seq_lengths=(L, L),
+            block_size=mask.block_size,
         )
         return lambda: sparse_attn.block_sparse_attention(q, k, v, plain)
 
@@ -79,6 +84,18 @@ def cases():
         "block bigbird 16k": block(16384, lambda L: patterns.bigbird(L, 512, 128, 3, device=dev)),
         "block d64 random 25% 16k": block(16384, lambda L: patterns.random_blocks(L, 0.25, device=dev), d=64),
         "topk indexer 16k k2048": topk(16384),
+        # Short causal rows (the diagonal tile is a large share) and the mma.sync kernel on Hopper
+        # (head dim 256, 64-blocks).
+        "flash causal 1k": flash(1024, 128, causal=True),
+        "flash d64 causal 1k": flash(1024, 64, causal=True),
+        "flash d256 causal 4k": flash(4096, 256, causal=True),
+        "block 64-blocks window 256 16k": block(
+            16384, lambda L: patterns.sliding_window(L, 256, block_size=64, device=dev)
+        ),
+        "block d256 random 10% 8k": block(8192, lambda L: patterns.random_blocks(L, 0.1, seed=1, device=dev), d=256),
+        "block 64-blocks random 10% 16k": block(
+            16384, lambda L: patterns.random_blocks(L, 0.1, seed=1, block_size=64, device=dev)
+        ),
     }
 
 
