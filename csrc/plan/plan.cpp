@@ -253,7 +253,7 @@ SelectPlan plan_select(const TopkSelectParams& p, const DeviceInfo& dev, const P
       if (stride < 2 || int64_t(p.lk) < 4 * int64_t(cap)) stride = 0;
     }
     if (stride > 0 && kk > 0) {
-      const int64_t cand_smem = 2 * 1024 + int64_t(cap) * 4 + (int64_t(p.lk) + 31) / 32 * 8;
+      const int64_t cand_smem = candidate_smem_bytes(cap, p.lk);
       SelectPlan f = plan;
       f.filter_stride = stride;
       f.cand_cap = cap;

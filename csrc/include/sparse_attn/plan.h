@@ -173,6 +173,15 @@ struct SelectPlan {
 // candidates (cand_cap / n_splits of them).
 constexpr int kMaxFilterSplits = 8;
 
+// Shared memory of a filtered selection's candidates kernel (a CTA per row): its state (at most
+// kCandidateStateBytes, which topk_select.cuh checks against the state's type), the candidates'
+// keys, and two bitmaps of the row's keys (above the threshold, at it). The plan bounds it, the
+// launcher allocates it.
+constexpr int64_t kCandidateStateBytes = 2048;
+constexpr int64_t candidate_smem_bytes(int64_t cand_cap, int64_t lk) {
+  return kCandidateStateBytes + cand_cap * 4 + (lk + 31) / 32 * 8;
+}
+
 // Byte offsets of a filtered selection's workspace regions for a chunk of `rows` workspace rows
 // (each 16-byte aligned): sample, thresholds, candidates, counts (rows x kMaxFilterSplits, then
 // the fallback list's length), fallback rows, fallback scores; end = the total.

@@ -195,11 +195,8 @@ struct CandidateSmem {
   uint32_t digit;
 };
 
-// Bytes of topk_candidates_kernel's shared memory: the state, the candidates' keys, two bitmaps of
-// the keys (above the threshold, at it).
-inline size_t candidate_smem_bytes(int cand_cap, int lk) {
-  return sizeof(CandidateSmem) + size_t(cand_cap) * 4 + size_t((lk + 31) / 32) * 8;
-}
+// topk_candidates_kernel's shared memory is candidate_smem_bytes (plan.h): the state first.
+static_assert(sizeof(CandidateSmem) <= kCandidateStateBytes);
 
 // f(position, key, index) for the row's candidates this thread reads: warp w reads slices w,
 // w + 8, ..., each lane every 32nd entry of a slice's filled part (3 loads in flight); position =
@@ -231,7 +228,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     topk_candidates_kernel(__grid_constant__ const TopkSelectParams p) {
   extern __shared__ __align__(16) char cand_smem[];
   CandidateSmem& sm = *reinterpret_cast<CandidateSmem*>(cand_smem);
-  uint32_t* keys = reinterpret_cast<uint32_t*>(cand_smem + sizeof(CandidateSmem));
+  uint32_t* keys = reinterpret_cast<uint32_t*>(cand_smem + kCandidateStateBytes);
   uint32_t* above = keys + p.cand_cap;
   uint32_t* at = above + (p.lk + 31) / 32;
   const int tid = threadIdx.x, warp = tid / 32, lane = lane_id();
@@ -335,7 +332,7 @@ cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaS
     return cudaGetLastError();
   }
   if (params.select_mode == 2)
-    return launch(cuda::topk_candidates_kernel<T>, cuda::candidate_smem_bytes(params.cand_cap, params.lk));
+    return launch(cuda::topk_candidates_kernel<T>, size_t(candidate_smem_bytes(params.cand_cap, params.lk)));
   return launch(cuda::topk_select_kernel<T>,
                 sizeof(cuda::SelectSmem) +
                     sizeof(float) * (params.indexer ? size_t(params.hi) * params.di + params.hi : params.d));
