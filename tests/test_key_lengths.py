@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from utils import band_mask as _band
-from utils import check_attention, make_qkv
+from utils import band_mask, check_attention, make_qkv
 
 import sparse_attn
 from sparse_attn import patterns, reference
@@ -31,7 +30,7 @@ def test_flash_with_key_lengths(kw, lq, dtype, device):
     q, k, v = make_qkv(4, 4, 2, lq, 300, 64, dtype=dtype, device=device, seed=lq)
     lens = torch.tensor(LENS)
     out, lse = sparse_attn.flash_attention(q, k, v, key_lengths=lens.to(device), return_lse=True, **kw)
-    mask = _with_lengths(_band(lq, 300, kw.get("causal", False), kw.get("window"))[None, None], LENS, 300)
+    mask = _with_lengths(band_mask(lq, 300, kw.get("causal", False), kw.get("window"))[None, None], LENS, 300)
     check_attention(out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), mask=mask)
     assert (out[2] == 0).all() and torch.isneginf(lse[2]).all()  # no key at all
 
@@ -50,7 +49,7 @@ def test_block_sparse_and_patterns_with_key_lengths(device):
             return_lse=True,
         )
         dense = mask.resolve(300, 300) if isinstance(mask, patterns.Pattern) else mask
-        full = _with_lengths(dense.to_dense().cpu() & _band(300, 300, causal=True), LENS, 300)
+        full = _with_lengths(dense.to_dense().cpu() & band_mask(300, 300, causal=True), LENS, 300)
         check_attention(out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), mask=full)
 
 
@@ -60,7 +59,7 @@ def test_key_lengths_gradients(device):
     lens = torch.tensor([150, 70])
     out = sparse_attn.flash_attention(q, k, v, causal=True, key_lengths=lens.to(device))
     grads = torch.autograd.grad(out.sum(), (q, k, v))
-    mask = _with_lengths(_band(150, 150, causal=True)[None, None], [150, 70], 150)
+    mask = _with_lengths(band_mask(150, 150, causal=True)[None, None], [150, 70], 150)
     q2, k2, v2 = (t.detach().cpu().double().requires_grad_(True) for t in (q, k, v))
     gold, _ = reference.attention(q2, k2, v2, mask=mask)
     expected = torch.autograd.grad(gold.sum(), (q2, k2, v2))
@@ -92,7 +91,7 @@ def test_topk_with_key_lengths_selects_among_the_keys_left(causal, lq, device):
         q, k, v, 24, causal=causal, key_lengths=lens, return_lse=True, return_indices=True
     )
     assert idx.shape == (4, 2, lq, 24)
-    visible = _with_lengths(_band(lq, 200, causal)[None, None], lens.tolist(), 200)
+    visible = _with_lengths(band_mask(lq, 200, causal)[None, None], lens.tolist(), 200)
     scores = (q.cpu().double() @ k.cpu().double().transpose(-1, -2)).masked_fill(~visible, float("-inf"))
     top = scores.topk(24, dim=-1)
     chosen = torch.zeros_like(visible.expand_as(scores))

@@ -39,14 +39,9 @@ def cases():
     def block(L, build, d=128):
         q, k, v = qkv(L, d)
         mask = build(L)
-        plain = sparse_attn.BlockSparseMask(
-            mask.kv_num_blocks,
-            mask.kv_indices,
-            mask.kv_partial,
-            mask.partial_masks,
-            seq_lengths=(L, L),
-            block_size=mask.block_size,
-        )
+        # The same mask without its pattern tag, so that the block-sparse kernel runs it (as
+        # tests/utils.py block_kernel_mask).
+        plain = sparse_attn.BlockSparseMask(*mask._tensors(), seq_lengths=mask.seq_lengths, block_size=mask.block_size)
         return lambda: sparse_attn.block_sparse_attention(q, k, v, plain)
 
     def cudnn(L):
