@@ -72,6 +72,22 @@ def test_strided_queries_read_in_place(dtype):
     check_attention(out, lse, q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=IDS.get)
+@pytest.mark.parametrize("d,dv", [(64, 64), (48, 80)], ids=str)
+def test_odd_row_strides_of_keys_and_values(dtype, d, dv):
+    # Keys and values whose rows start at odd element offsets (slices of wider rows): the key tile's
+    # transposition and the value pairs read each row from its own address, not in 32-bit steps of
+    # a contiguous block; 300 keys end in a ragged tile.
+    q, _, _ = make_qkv(1, 4, 2, 130, 300, d, dv, dtype=dtype, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    k = torch.randn(1, 2, 300, d + 1, generator=gen).to(dtype)[..., 1:]
+    v = torch.randn(1, 2, 300, dv + 3, generator=gen).to(dtype)[..., 3:]
+    assert k.stride(2) % 2 == 1 and v.stride(2) % 2 == 1
+    out, lse = sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=True)
+    assert torch.equal(out, sparse_attn.flash_attention(q, k.contiguous(), v.contiguous(), causal=True))
+
+
 _GENERIC_SCRIPT = """
 import sys, torch, sparse_attn
 torch.manual_seed(0)
@@ -82,14 +98,21 @@ k[1, 2, 7] = float('inf')
 idx = torch.ops.sparse_attn.topk_select(q, k, 37, True)
 qb, kb, vb = (torch.randn(1, 2, 600, 64).bfloat16() for _ in range(3))
 out = sparse_attn.flash_attention(qb, kb, vb, causal=True)
-torch.save((idx, out), sys.argv[1])
+# fp32 key tiles transposed (16 x 16 words, then a ragged tile) from rows of odd stride, head dims
+# 48 and 80, a NaN value
+qf = torch.randn(1, 2, 200, 48)
+kf = torch.randn(1, 2, 333, 49)[..., 1:]
+vf = torch.randn(1, 2, 333, 81)[..., 1:]
+vf[0, 1, 100, 3] = float('nan')
+outf = sparse_attn.flash_attention(qf, kf, vf, causal=True)
+torch.save((idx, out, outf), sys.argv[1])
 """
 
 
 def test_avx512_and_generic_loops_agree(tmp_path):
-    """The AVX-512 loops (selection, bf16 softmax) and the portable ones (SPARSE_ATTN_CPU_GENERIC=1,
-    as on a CPU without AVX-512) give the same selection, ties and NaN included, and the same
-    attention up to rounding."""
+    """The AVX-512 loops (selection, bf16 softmax, key tile transposition and value packing) and the
+    portable ones (SPARSE_ATTN_CPU_GENERIC=1, as on a CPU without AVX-512) give the same selection,
+    ties and NaN included, and the same attention up to rounding (bf16 and fp32)."""
     import os
     import subprocess
     import sys
@@ -100,6 +123,8 @@ def test_avx512_and_generic_loops_agree(tmp_path):
         env = dict(os.environ, SPARSE_ATTN_CPU_GENERIC=generic)
         subprocess.run([sys.executable, "-c", _GENERIC_SCRIPT, str(path)], check=True, env=env)
         results.append(torch.load(path))
-    (idx_a, out_a), (idx_b, out_b) = results
+    (idx_a, out_a, f32_a), (idx_b, out_b, f32_b) = results
     assert torch.equal(idx_a, idx_b)
     assert (out_a.float() - out_b.float()).abs().max().item() <= 2e-2
+    assert torch.equal(f32_a.isnan(), f32_b.isnan()) and f32_a.isnan().any()
+    assert (f32_a.nan_to_num() - f32_b.nan_to_num()).abs().max().item() <= 1e-5

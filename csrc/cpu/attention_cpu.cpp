@@ -230,30 +230,53 @@ T* o_row(const AttnFwdParams& p, int b, int h, int64_t i) {
   return static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
 }
 
+// out[c] = bf16(x[c] * mul) for c < n: from_float<bf16_t> written without branches, so that it
+// vectorises.
+SA_CPU_CLONES void scale_to_bf16(const float* x, float mul, int n, bf16_t* out) {
+  uint16_t* o = &out->bits;
+  for (int c = 0; c < n; ++c) {
+    const uint32_t u = float_bits(x[c] * mul);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet = (u >> 16) | 0x40u;
+    o[c] = uint16_t((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+  }
+}
+
 // Writes out = acc / l and lse for one query row; a row that saw no key gets 0 and -inf.
 template <typename T>
 void finalize_row(const AttnFwdParams& p, int b, int h, int64_t i, const float* acc, float m, float l) {
   T* out = o_row<T>(p, b, h, i);
   float* lse = p.lse + (int64_t(b) * p.h + h) * p.lq + i;
   const float inv = row_inv(l);  // 0 for a row that saw no key, whose acc is 0
-  for (int c = 0; c < p.dv; ++c) out[c] = from_float<T>(acc[c] * inv);
+  if constexpr (std::is_same_v<T, bf16_t>)
+    scale_to_bf16(acc, inv, p.dv, out);
+  else
+    for (int c = 0; c < p.dv; ++c) out[c] = from_float<T>(acc[c] * inv);
   *lse = row_lse(m, l);
 }
 
 // Key tiles per group of the tiled main loop (below).
 constexpr int kGroup = 8;
 constexpr int kGroupN = kGroup * kBlockN;
+// Row strides of the group's scores (fp32) and of P (bf16), and the padding of the bf16 K^T operand's
+// rows: each a multiple of 64 bytes (every row starts a cache line) but not of 4 KiB's divisors
+// above 128 bytes, so that the 16 rows one matrix tile load or store touches fall into different
+// L1 sets (with the unpadded 2 KiB / 1 KiB / 4-16 KiB strides they shared one or two sets, and the
+// products ran ~10-20 % slower).
+constexpr int kScoreLd = kGroupN + 32;
+constexpr int kPLd = kGroupN + 32;
+constexpr int kKPad = 32;
 
-// K transposed: fp32, per tile (D x kBlockN, slot after slot); bf16, one VNNI operand for all the
-// slots (D / 2 rows of k_ld = slots x kBlockN pairs), so that consecutive tiles' keys are one
-// operand's columns. V: column chunk x0 (width w, 64 for the bf16 operand, Dv for fp32) of every
+// K transposed, one operand for all the slots, so that consecutive tiles' keys are one operand's
+// columns: fp32, D rows of k_ld = slots x kBlockN + kKPad keys; bf16 in the VNNI layout, D / 2 rows
+// of k_ld pairs. V: column chunk x0 (width w, 64 for the bf16 operand, Dv for fp32) of every
 // slot's kBlockN rows, slot after slot, so that the rows of consecutive tiles are one operand.
 struct KVCacheLayout {
   int64_t k_elems, v_elems;  // per slot
   int slots, chunk;
-  bool k_wide;  // the bf16 layout of K^T
-  int k_ld() const { return k_wide ? slots * kBlockN : kBlockN; }
-  int64_t k_offset(int slot) const { return k_wide ? 2 * int64_t(slot) * kBlockN : slot * k_elems; }
+  int k_pack;  // K^T's elements per key in a row: 2 (bf16 pairs) or 1 (fp32)
+  int k_ld() const { return slots * kBlockN + kKPad; }  // in keys (columns)
+  int64_t k_offset(int slot) const { return int64_t(k_pack) * slot * kBlockN; }
   int64_t v_offset(int slot, int x0) const {
     const int w = std::min(chunk, int(v_elems / kBlockN) - x0);
     return int64_t(x0) * slots * kBlockN + int64_t(slot) * kBlockN * w;
@@ -263,15 +286,42 @@ struct KVCacheLayout {
 // A key tile (keys n0 .. n0 + cols) as the fp32 products read it: K transposed into kt (D x kBlockN,
 // missing keys as zero columns), V as rows into slot `slot` of vc (layout kv). Returns whether V
 // is finite.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SA_CPU_AVX512 1
+// Whether the AVX-512 versions below may run: the CPU has them (F; for the bf16 products also BW,
+// DQ, VL and BF16) and SPARSE_ATTN_CPU_GENERIC is not set.
+inline bool use_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && !cpu_generic();
+  return ok;
+}
+inline bool use_avx512_bf16() {
+  static const bool ok = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                         use_avx512();
+  return ok;
+}
+bool load_kv_f32_avx512(const float* k, int64_t k_stride, const float* v, int64_t v_stride, int cols, int D,
+                        int Dv, float* kt, int64_t k_ld, float* vt);
+bool pack_kv_bf16_avx512(const bf16_t* k, int64_t k_stride, const bf16_t* v, int64_t v_stride, int cols,
+                         int D, int Dv, bf16_t* kt, bf16_t* vc, const KVCacheLayout& kv, int slot);
+#endif
+
 template <typename T>
 bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float* kt, float* vc,
                   const KVCacheLayout& kv, int slot) {
+#ifdef SA_CPU_AVX512
+  if constexpr (std::is_same_v<T, float>)
+    if (use_avx512())
+      return load_kv_f32_avx512(k_row<T>(p, b, hk, n0), p.k_row_stride, v_row<T>(p, b, hk, n0),
+                                p.v_row_stride, cols, p.d, p.dv, kt, kv.k_ld(), vc + kv.v_offset(slot, 0));
+#endif
   constexpr int N = kBlockN;
   const int D = p.d, Dv = p.dv;
   const T* k = k_row<T>(p, b, hk, n0);
   const int64_t stride = p.k_row_stride;
+  const int64_t ld = kv.k_ld();
   for (int x = 0; x < D; ++x)  // written contiguously, read across the (L1-resident) rows
-    for (int c = 0; c < N; ++c) kt[x * N + c] = c < cols ? to_float(k[c * stride + x]) : 0.f;
+    for (int c = 0; c < N; ++c) kt[x * ld + c] = c < cols ? to_float(k[c * stride + x]) : 0.f;
   float* vt = vc + kv.v_offset(slot, 0);
   for (int c = 0; c < cols; ++c) load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vt[c * Dv]);
   return all_finite(vt, int64_t(cols) * Dv);
@@ -333,12 +383,17 @@ SA_CPU_CLONES bool pack_kv_bf16(const bf16_t* k, int64_t k_stride, const bf16_t*
 template <typename T>
 bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, bf16_t* kt, bf16_t* vc,
                   const KVCacheLayout& kv, int slot) {
+#ifdef SA_CPU_AVX512
+  if (use_avx512_bf16())
+    return pack_kv_bf16_avx512(k_row<T>(p, b, hk, n0), p.k_row_stride, v_row<T>(p, b, hk, n0), p.v_row_stride,
+                               cols, p.d, p.dv, kt, vc, kv, slot);
+#endif
   return pack_kv_bf16(k_row<T>(p, b, hk, n0), p.k_row_stride, v_row<T>(p, b, hk, n0), p.v_row_stride, cols,
                       p.d, p.dv, kt, vc, kv, slot);
 }
 
 // One online-softmax step of a group: for each of the rows, the scores of the group's key tiles
-// (raw products, tile j at columns j * kBlockN, row stride kGroupN) scaled into log2 units, the
+// (raw products, tile j at columns j * kBlockN, row stride kScoreLd) scaled into log2 units, the
 // keys hidden by visible[r * kGroup + j] set to -inf, then P = exp2(s - m_new) in place (and as
 // bf16 into p16 when given), acc and l rescaled. A NaN score stays out of the max; exp2 carries it
 // into l and the output.
@@ -347,7 +402,7 @@ SA_CPU_CLONES void softmax_group(float* s, int rows, int tiles, float scale, con
   constexpr int N = kBlockN;
   const int width = tiles * N;
   for (int r = 0; r < rows; ++r) {
-    float* sr = s + int64_t(r) * kGroupN;
+    float* sr = s + int64_t(r) * kScoreLd;
     const uint64_t* vis = visible + r * kGroup;
     bool masked = false;
     for (int j = 0; j < tiles; ++j) masked |= vis[j] != ~0ull;
@@ -384,7 +439,7 @@ SA_CPU_CLONES void softmax_group(float* s, int rows, int tiles, float scale, con
       for (int c = 0; c < dv; ++c) ar[c] *= alpha;
     }
     float sum = 0.f;
-    bf16_t* pr = p16 != nullptr ? p16 + int64_t(r) * kGroupN : nullptr;
+    bf16_t* pr = p16 != nullptr ? p16 + int64_t(r) * kPLd : nullptr;
     if (nan) {  // the general exponential, which keeps NaN
 #pragma omp simd reduction(+ : sum)
       for (int c = 0; c < width; ++c) {
@@ -414,11 +469,11 @@ SA_CPU_CLONES void softmax_group(float* s, int rows, int tiles, float scale, con
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SA_CPU_AVX512_BF16 1
+#ifdef SA_CPU_AVX512
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own AVX-512 reduction intrinsics
 #define SA_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define SA_AVX512F __attribute__((target("avx512f")))
 
 // 2^x on 16 lanes for x <= 0 (a softmax row's scores minus its max): 2^floor(x) (vscalefps) times a
 // polynomial in x - floor(x) (vreduceps), a degree-5 fit on [0, 1) with relative error below
@@ -436,18 +491,127 @@ SA_AVX512_BF16 __attribute__((always_inline)) inline __m512 exp2_nonpositive16(_
   return _mm512_scalef_ps(poly, x);
 }
 
-// softmax_group for the bf16 products, in AVX-512 (every CPU with AMX has AVX512-BF16, whose
-// conversion rounds two vectors of P to bf16 in one instruction), 16 columns a step: the max of
-// the visible scores (masked), then P = 2^(s * scale - m) with the hidden columns zeroed, summed
-// and written as bf16 only. Rows with a NaN score or no visible finite score, and groups whose P
-// must stay fp32 (p16 null), take softmax_group.
-SA_AVX512_BF16 void softmax_group_bf16(float* s, int rows, int tiles, float scale, const uint64_t* visible,
+// dst[i * ld + c] = word i of src row c (row c at src + c * stride bytes) for i < words, c <
+// kBlockN (rows c >= rows read as zeros): a key tile's 32-bit words transposed (fp32 features, or bf16
+// feature pairs), 16 x 16 at a time (unpacks of 32- and 64-bit elements, then 128-bit lane shuffles).
+SA_AVX512F __attribute__((always_inline)) inline void transpose_words_avx512(const void* src, int64_t stride,
+                                                                             int rows, int words,
+                                                                             uint32_t* dst, int64_t ld) {
+  constexpr int N = kBlockN;
+  for (int c0 = 0; c0 < N; c0 += 16) {
+    for (int i0 = 0; i0 < words; i0 += 16) {
+      const __mmask16 wm = words - i0 >= 16 ? 0xffff : __mmask16((1u << (words - i0)) - 1);
+      __m512i r[16], t[16];
+      for (int c = 0; c < 16; ++c)
+        r[c] = c0 + c < rows
+                   ? _mm512_maskz_loadu_epi32(wm, static_cast<const char*>(src) + (c0 + c) * stride + 4 * i0)
+                   : _mm512_setzero_si512();
+      for (int c = 0; c < 16; c += 2) {  // 32-bit pairs, then 64-bit, then 128-bit lanes
+        t[c] = _mm512_unpacklo_epi32(r[c], r[c + 1]);
+        t[c + 1] = _mm512_unpackhi_epi32(r[c], r[c + 1]);
+      }
+      for (int c = 0; c < 16; c += 4) {
+        r[c] = _mm512_unpacklo_epi64(t[c], t[c + 2]);
+        r[c + 1] = _mm512_unpackhi_epi64(t[c], t[c + 2]);
+        r[c + 2] = _mm512_unpacklo_epi64(t[c + 1], t[c + 3]);
+        r[c + 3] = _mm512_unpackhi_epi64(t[c + 1], t[c + 3]);
+      }
+      for (int c = 0; c < 4; ++c) {  // rows c, c+4, c+8, c+12 hold lanes of the same four words
+        t[c] = _mm512_shuffle_i32x4(r[c], r[c + 4], 0x88);
+        t[c + 4] = _mm512_shuffle_i32x4(r[c], r[c + 4], 0xdd);
+        t[c + 8] = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0x88);
+        t[c + 12] = _mm512_shuffle_i32x4(r[c + 8], r[c + 12], 0xdd);
+      }
+      for (int c = 0; c < 4; ++c) {
+        // word i0 + 4 * lane_group + c ... assembled from t: lanes (0, 2) and (1, 3) of the pairs
+        const __m512i a = _mm512_shuffle_i32x4(t[c], t[c + 8], 0x88);
+        const __m512i bq = _mm512_shuffle_i32x4(t[c + 4], t[c + 12], 0x88);
+        const __m512i cq = _mm512_shuffle_i32x4(t[c], t[c + 8], 0xdd);
+        const __m512i dq = _mm512_shuffle_i32x4(t[c + 4], t[c + 12], 0xdd);
+        const int w0 = i0 + c;
+        if (w0 < words) _mm512_storeu_si512(dst + w0 * ld + c0, a);
+        if (w0 + 4 < words) _mm512_storeu_si512(dst + (w0 + 4) * ld + c0, bq);
+        if (w0 + 8 < words) _mm512_storeu_si512(dst + (w0 + 8) * ld + c0, cq);
+        if (w0 + 12 < words) _mm512_storeu_si512(dst + (w0 + 12) * ld + c0, dq);
+      }
+    }
+  }
+}
+
+// load_kv_tile's fp32 case in AVX-512: K^T by transpose_words_avx512, V's rows copied with their
+// exponent bits checked.
+SA_AVX512F bool load_kv_f32_avx512(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                                   int cols, int D, int Dv, float* kt, int64_t k_ld, float* vt) {
+  transpose_words_avx512(k, 4 * k_stride, cols, D, reinterpret_cast<uint32_t*>(kt), k_ld);
+  const __m512i expo = _mm512_set1_epi32(0x7f800000);
+  __mmask16 bad = 0;
+  for (int c = 0; c < cols; ++c) {
+    const float* src = v + c * v_stride;
+    float* dst = vt + int64_t(c) * Dv;
+    for (int x = 0; x < Dv; x += 16) {
+      const __mmask16 m = Dv - x >= 16 ? 0xffff : __mmask16((1u << (Dv - x)) - 1);
+      const __m512i r = _mm512_maskz_loadu_epi32(m, src + x);
+      bad |= _mm512_mask_cmpeq_epi32_mask(m, _mm512_and_si512(r, expo), expo);
+      _mm512_mask_storeu_epi32(dst + x, m, r);
+    }
+  }
+  return bad == 0;
+}
+
+// pack_kv_bf16 in AVX-512: K^T by 16 x 16 transpositions of 32-bit words (a word holds a key's
+// features 2i and 2i + 1), V's key pairs interleaved by one word permutation per 32 columns, the
+// values' exponent bits checked in the same pass. Missing keys (cols < kBlockN) read as zeros.
+SA_AVX512_BF16 bool pack_kv_bf16_avx512(const bf16_t* k, int64_t k_stride, const bf16_t* v, int64_t v_stride,
+                                        int cols, int D, int Dv, bf16_t* kt, bf16_t* vc,
+                                        const KVCacheLayout& kv, int slot) {
+  constexpr int N = kBlockN;
+  uint32_t* kw = reinterpret_cast<uint32_t*>(kt);
+  transpose_words_avx512(k, 2 * k_stride, cols, D / 2, kw, kv.k_ld());
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                          38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const __m512i expo = _mm512_set1_epi16(0x7f80);
+  __mmask32 bad = 0;
+  for (int x0 = 0; x0 < Dv; x0 += kv.chunk) {
+    const int w = std::min(kv.chunk, Dv - x0);
+    uint16_t* out = reinterpret_cast<uint16_t*>(vc + kv.v_offset(slot, x0));
+    for (int i = 0; i < N / 2; ++i) {
+      uint16_t* o = out + int64_t(i) * w * 2;
+      const int k0 = 2 * i;
+      for (int x = 0; x < w; x += 32) {
+        const __mmask32 m = w - x >= 32 ? ~__mmask32(0) : __mmask32((1u << (w - x)) - 1);
+        const __m512i r0 =
+            k0 < cols ? _mm512_maskz_loadu_epi16(m, v + k0 * v_stride + x0 + x) : _mm512_setzero_si512();
+        const __m512i r1 = k0 + 1 < cols ? _mm512_maskz_loadu_epi16(m, v + (k0 + 1) * v_stride + x0 + x)
+                                         : _mm512_setzero_si512();
+        bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(r0, expo), expo) |
+               _mm512_cmpeq_epi16_mask(_mm512_and_si512(r1, expo), expo);
+        const __m512i a = _mm512_permutex2var_epi16(r0, lo_idx, r1);
+        const __m512i bq = _mm512_permutex2var_epi16(r0, hi_idx, r1);
+        if (w - x >= 32) {
+          _mm512_storeu_si512(o + 2 * x, a);
+          _mm512_storeu_si512(o + 2 * x + 32, bq);
+        } else {  // 16 columns left: their 32 interleaved values are a's
+          _mm512_storeu_si512(o + 2 * x, a);
+        }
+      }
+    }
+  }
+  return bad == 0;
+}
+
+// softmax_group in AVX-512 (on CPUs with AVX512-BF16, whose conversion rounds two vectors of P to
+// bf16 in one instruction; every CPU with AMX has it), 16 columns a step: the max of the visible
+// scores (masked), then P = 2^(s * scale - m) with the hidden columns zeroed, summed and written
+// as bf16 only (p16), or as fp32 in place (p16 null: the fp32 products and the guarded P V). Rows
+// with a NaN score or no visible finite score take softmax_group.
+SA_AVX512_BF16 void softmax_group_avx512(float* s, int rows, int tiles, float scale, const uint64_t* visible,
                                        float* m, float* l, float* acc, int dv, bf16_t* p16) {
   constexpr int N = kBlockN;
   const int width = tiles * N;
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int r = 0; r < rows; ++r) {
-    float* sr = s + int64_t(r) * kGroupN;
+    float* sr = s + int64_t(r) * kScoreLd;
     const uint64_t* vis = visible + r * kGroup;
     __m512 vmax = _mm512_set1_ps(kNegInf);
     __mmask16 nan = 0;
@@ -464,7 +628,7 @@ SA_AVX512_BF16 void softmax_group_bf16(float* s, int rows, int tiles, float scal
     const float mx = _mm512_reduce_max_ps(vmax);
     if (nan || mx == kNegInf) {  // (the row is scaled already)
       softmax_group(sr, 1, tiles, 1.f, vis, m + r, l + r, acc + int64_t(r) * dv, dv,
-                    p16 + int64_t(r) * kGroupN);
+                    p16 != nullptr ? p16 + int64_t(r) * kPLd : nullptr);
       continue;
     }
     const float m_new = std::max(m[r], mx);       // finite
@@ -476,7 +640,7 @@ SA_AVX512_BF16 void softmax_group_bf16(float* s, int rows, int tiles, float scal
     }
     const __m512 ref = _mm512_set1_ps(m_new);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    bf16_t* pr = p16 + int64_t(r) * kGroupN;
+    bf16_t* pr = p16 != nullptr ? p16 + int64_t(r) * kPLd : nullptr;
     for (int c = 0; c < width; c += 32) {
       const uint32_t shown = uint32_t(vis[c / N] >> (c % N));
       const __m512 e0 = _mm512_maskz_mov_ps(__mmask16(shown),
@@ -485,7 +649,12 @@ SA_AVX512_BF16 void softmax_group_bf16(float* s, int rows, int tiles, float scal
           __mmask16(shown >> 16), exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sr + c + 16), ref)));
       sum0 = _mm512_add_ps(sum0, e0);
       sum1 = _mm512_add_ps(sum1, e1);
-      _mm512_storeu_si512(pr + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      if (pr != nullptr) {
+        _mm512_storeu_si512(pr + c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      } else {
+        _mm512_storeu_ps(sr + c, e0);
+        _mm512_storeu_ps(sr + c + 16, e1);
+      }
     }
     l[r] += _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
     m[r] = m_new;
@@ -518,22 +687,22 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   const int D = p.d, Dv = p.dv;
   const int num_n = (p.lk + N - 1) / N;
   constexpr int64_t kKVCacheBytes = int64_t(256) << 20;
-  KVCacheLayout kv{int64_t(D) * N, int64_t(N) * Dv, 1, kAmx ? 64 : Dv, kAmx};
+  KVCacheLayout kv{int64_t(D) * N, int64_t(N) * Dv, 1, kAmx ? 64 : Dv, kAmx ? 2 : 1};
   const bool cache = int64_t(num_n) * (kv.k_elems + kv.v_elems) * int64_t(sizeof(Op)) <= kKVCacheBytes;
   if (cache) kv.slots = num_n;
   const int group = cache ? kGroup : 1;
   constexpr bool kQInPlace = std::is_same_v<T, Op>;  // Q's rows are the product's operand as they are
-#ifdef SA_CPU_AVX512_BF16
-  static const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16") && !cpu_generic();
+#ifdef SA_CPU_AVX512
+  const bool avx512_bf16 = use_avx512_bf16();
 #endif
   // Whole heads per scheduling chunk when there are enough of them (each head's K/V converted by
   // one thread), single query tiles otherwise (balance).
   const int chunk = int64_t(p.b) * p.h >= 2 * int64_t(omp_get_max_threads()) ? num_m : 1;
 #pragma omp parallel
   {
-    std::vector<Op> kc(kv.slots * kv.k_elems), vc(kv.slots * kv.v_elems), qc(kQInPlace ? 0 : kBlockM * D),
-        pc(kAmx ? kBlockM * kGroupN : 0);
-    std::vector<float> s(kBlockM * kGroupN), acc(kBlockM * Dv), m(kBlockM), l(kBlockM),
+    ScratchVector<Op> kc(kv.slots * kv.k_elems + int64_t(D) * kKPad), vc(kv.slots * kv.v_elems),
+        qc(kQInPlace ? 0 : kBlockM * D), pc(kAmx ? kBlockM * kPLd : 0);
+    ScratchVector<float> s(kBlockM * kScoreLd), acc(kBlockM * Dv), m(kBlockM), l(kBlockM),
         vf(kAmx ? kv.v_elems : 0);
     std::vector<uint64_t> visible(kBlockM * kGroup);
     std::vector<uint8_t> ready(kv.slots, 0), finite(kv.slots, 0);
@@ -597,20 +766,20 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
           const bool need_mask = tiles.tile_needs_mask(t);
           for (int r = 0; r < rows; ++r)
             visible[r * kGroup + col] = need_mask ? tiles.visible_bits(t, m0 + r) & in_range : in_range;
-          if constexpr (!kAmx)
-            g.f32(rows, N, D, lda, N, kGroupN, false, qa, &kc[kv.k_offset(slot)], &s[col * N]);
         }
-        if constexpr (kAmx) {  // the group's keys are one operand: one product (64 x 512 runs faster than 8
-                               // of 64)
+        {  // the group's keys are one operand: one product (64 x 512 runs faster than 8 of 64)
           const int slot0 = cache ? lo : 0;
-          g.bf16(rows, n * N, D, lda, kv.k_ld(), kGroupN, false, qa, &kc[kv.k_offset(slot0)], s.data());
+          if constexpr (kAmx)
+            g.bf16(rows, n * N, D, lda, kv.k_ld(), kScoreLd, false, qa, &kc[kv.k_offset(slot0)], s.data());
+          else
+            g.f32(rows, n * N, D, lda, kv.k_ld(), kScoreLd, false, qa, &kc[kv.k_offset(slot0)], s.data());
         }
         bf16_t* p16 = nullptr;  // P as the bf16 product's operand
         if constexpr (kAmx) p16 = group_finite ? pc.data() : nullptr;
-#ifdef SA_CPU_AVX512_BF16
-        if (p16 != nullptr && avx512_bf16)
-          softmax_group_bf16(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(), acc.data(),
-                             Dv, p16);
+#ifdef SA_CPU_AVX512
+        if (avx512_bf16)
+          softmax_group_avx512(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(), acc.data(),
+                               Dv, p16);
         else
 #endif
           softmax_group(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(), acc.data(), Dv,
@@ -627,15 +796,15 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
             } else {
               v_rows = &vc[kv.v_offset(cache ? lo + j : 0, 0)];
             }
-            pv_tile(&s[j * N], v_rows, rows, cols, Dv, acc.data(), false, kGroupN);
+            pv_tile(&s[j * N], v_rows, rows, cols, Dv, acc.data(), false, kScoreLd);
           }
         } else if constexpr (kAmx) {
           for (int x0 = 0; x0 < Dv; x0 += kv.chunk) {
             const int wd = std::min(kv.chunk, Dv - x0);
-            g.bf16(rows, wd, n * N, kGroupN, wd, Dv, true, pc.data(), &vc[kv.v_offset(slot0, x0)], &acc[x0]);
+            g.bf16(rows, wd, n * N, kPLd, wd, Dv, true, pc.data(), &vc[kv.v_offset(slot0, x0)], &acc[x0]);
           }
         } else {
-          g.f32(rows, Dv, keys, kGroupN, Dv, Dv, true, s.data(), &vc[kv.v_offset(slot0, 0)], acc.data());
+          g.f32(rows, Dv, keys, kScoreLd, Dv, Dv, true, s.data(), &vc[kv.v_offset(slot0, 0)], acc.data());
         }
         it += n;
       }
@@ -839,7 +1008,7 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
 // Inf). The key tiles of the (batch, kv head) are held transposed (K^T, V^T) and as rows (K, V);
 // dK and dV accumulate over the group's query heads, in a fixed order.
 struct BwdHeadBuffers {
-  std::vector<float> kf, vf, kT, vT, dk, dv, qf, dof, o, s, dp, dq, st;
+  AlignedVector<float> kf, vf, kT, vT, dk, dv, qf, dof, o, s, dp, dq, st;
 };
 
 // t (kBlockN x kBlockM) = the first `rows` rows of x (kBlockM x kBlockN) transposed: the A operand
@@ -1112,7 +1281,7 @@ void select_exact(const TopkSelectParams& p, const TileGemm& g) {
   const int64_t ldk = (int64_t(p.lk) + 15) / 16 * 16;
 #pragma omp parallel
   {
-    std::vector<float> qf(kSelRows * D), kT(D * ldk), s(kSelRows * ldk);
+    AlignedVector<float> qf(kSelRows * D), kT(D * ldk), s(kSelRows * ldk);
     std::vector<uint32_t> keys(p.lk);
     int64_t cached = -1;
 #pragma omp for schedule(dynamic, 1)
@@ -1158,7 +1327,7 @@ void select_indexer(const TopkSelectParams& p, const TileGemm& g) {
   const int64_t ldk = (int64_t(p.lk) + 15) / 16 * 16;
 #pragma omp parallel
   {
-    std::vector<float> qf(kSelRows * DI), wf(kSelRows * p.hi), kT(DI * ldk), prod(kSelRows * ldk),
+    AlignedVector<float> qf(kSelRows * DI), wf(kSelRows * p.hi), kT(DI * ldk), prod(kSelRows * ldk),
         s(kSelRows * ldk);
     std::vector<uint32_t> keys(p.lk);
     int cached = -1;
