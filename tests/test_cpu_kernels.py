@@ -3,7 +3,8 @@ key tiles run as one softmax step and one P V product, bf16 on the matrix unit w
 one (head dims that are multiples of 16) and fp32 otherwise. These cases reach every branch of
 it: long rows (full groups plus a ragged tail), groups broken by a block-sparse list, head dims on
 and off the matrix unit's layout, hidden values that are NaN inside a group, scores so large that
-the exponent's rounding matters, and strided inputs read in place."""
+the exponent's rounding matters, strided inputs read in place, and the 128-row query tiles of
+long dense and causal rows."""
 
 from __future__ import annotations
 
@@ -70,6 +71,32 @@ def test_strided_queries_read_in_place(dtype):
     assert not q.is_contiguous()
     out, lse = sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
     check_attention(out, lse, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("lq,lk", [(1100, 1100), (1030, 1500), (1500, 1030)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wide_query_tiles(dtype, lq, lk, causal):
+    # From 1024 queries on, dense and causal rows run as 128-row tiles (the plan's CPU tile): a
+    # ragged last tile, causal rows bottom-right aligned for Lq != Lk, GQA.
+    q, k, v = make_qkv(1, 4, 2, lq, lk, 64, 80, dtype=dtype, seed=lq + lk)
+    assert _tile_rows(q, k, v, causal=causal) == 128
+    out, lse = sparse_attn.flash_attention(q, k, v, causal=causal, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=IDS.get)
+def test_wide_query_tiles_keep_hidden_nan_hidden(dtype):
+    q, k, v = make_qkv(1, 2, 2, 1100, 1100, 64, dtype=dtype, seed=3)
+    v[0, 1, 1000] = float("nan")  # inside the diagonal tile of the 128 rows 896-1023
+    out = sparse_attn.flash_attention(q, k, v, causal=True)
+    assert not out[0, 1, :1000].isnan().any() and not out[0, 0].isnan().any()
+    assert out[0, 1, 1000:].isnan().all()
+
+
+def _tile_rows(q, k, v, **kw):
+    launches = sparse_attn.explain(sparse_attn.flash_attention, q, k, v, **kw).launches
+    return launches[0].tile[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=IDS.get)

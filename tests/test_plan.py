@@ -142,7 +142,17 @@ def test_topk_routes():
 def test_cpu_plans():
     q, k, v = _qkv(d=64, dtype=torch.float32)
     plan = sparse_attn.explain(sparse_attn.flash_attention, q, k, v)
-    assert (_only(plan).core, _only(plan).tile) == ("cpu", (64, 64))
+    # dense and causal rows from 1024 queries on: 128-row tiles; banded or short: 64
+    assert (_only(plan).core, _only(plan).tile) == ("cpu", (128, 64))
+    causal = sparse_attn.explain(sparse_attn.flash_attention, q, k, v, causal=True)
+    assert _only(causal).tile == (128, 64)
+    banded = sparse_attn.explain(sparse_attn.flash_attention, q, k, v, window=(256, 0))
+    assert _only(banded).tile == (64, 64)
+    short = sparse_attn.explain(sparse_attn.flash_attention, q[:, :, :1000], k, v)
+    assert _only(short).tile == (64, 64)
+    mask = patterns.random_blocks(1024, 0.3, seed=0, block_size=128)
+    blocks = sparse_attn.explain(sparse_attn.block_sparse_attention, q, k, v, mask)
+    assert _only(blocks).kernel == "block_sparse_fwd" and _only(blocks).tile == (64, 64)
     assert plan.backward.startswith("flash_bwd (CPU kernels")
     gpu = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 8, target="sm90")
     assert gpu.backward.startswith("gather_bwd (CUDA-core kernel")

@@ -606,7 +606,7 @@ SA_AVX512_BF16 bool pack_kv_bf16_avx512(const bf16_t* k, int64_t k_stride, const
 // as bf16 only (p16), or as fp32 in place (p16 null: the fp32 products and the guarded P V). Rows
 // with a NaN score or no visible finite score take softmax_group.
 SA_AVX512_BF16 void softmax_group_avx512(float* s, int rows, int tiles, float scale, const uint64_t* visible,
-                                       float* m, float* l, float* acc, int dv, bf16_t* p16) {
+                                         float* m, float* l, float* acc, int dv, bf16_t* p16) {
   constexpr int N = kBlockN;
   const int width = tiles * N;
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -678,10 +678,22 @@ SA_AVX512_BF16 void softmax_group_avx512(float* s, int rows, int tiles, float sc
 // the work order) share them; above kKVCacheBytes per thread one slot is reconverted per tile
 // (groups of one). A value tile holding NaN or Inf takes the guarded product pv_tile, so that a
 // hidden key (P exactly 0) adds exactly 0 rather than 0 x NaN.
+template <typename Tiles>
+struct TileRows;
+template <int M, int N>
+struct TileRows<WindowTiles<M, N>> {
+  static constexpr int value = M;
+};
+template <int M, int N, bool kTileIsBlock>
+struct TileRows<BlockSparseTiles<M, N, kTileIsBlock>> {
+  static constexpr int value = M;
+};
+
 template <typename T, typename Tiles, bool kAmx>
 void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   using Op = std::conditional_t<kAmx, bf16_t, float>;  // the products' operand type
   constexpr int N = kBlockN;
+  constexpr int kBlockM = TileRows<Tiles>::value;  // query rows per tile
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
   const int64_t work = int64_t(p.b) * p.h * num_m;
   const int D = p.d, Dv = p.dv;
@@ -778,8 +790,8 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
         if constexpr (kAmx) p16 = group_finite ? pc.data() : nullptr;
 #ifdef SA_CPU_AVX512
         if (avx512_bf16)
-          softmax_group_avx512(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(), acc.data(),
-                               Dv, p16);
+          softmax_group_avx512(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(),
+                               acc.data(), Dv, p16);
         else
 #endif
           softmax_group(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(), acc.data(), Dv,
@@ -1379,7 +1391,11 @@ void dense_fwd(const AttnFwdParams& p) {
 }
 
 void flash_fwd(const AttnFwdParams& p, const TileGemm& g) {
-  dispatch_dtype(p.dtype, [&](auto t) { tiled_attention<decltype(t), WindowTiles<kBlockM, kBlockN>>(p, g); });
+  if (flash_fwd_cpu_tile(Variant::kWindow, p.lq, p.window_left).block_m == kCpuWideRows)
+    dispatch_dtype(p.dtype,
+                   [&](auto t) { tiled_attention<decltype(t), WindowTiles<kCpuWideRows, kBlockN>>(p, g); });
+  else
+    dispatch_dtype(p.dtype, [&](auto t) { tiled_attention<decltype(t), WindowTiles<kBlockM, kBlockN>>(p, g); });
 }
 
 void block_sparse_fwd(const AttnFwdParams& p, const TileGemm& g) {

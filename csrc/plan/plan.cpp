@@ -112,9 +112,13 @@ FlashPlan plan_flash(const AttnFwdParams& p, Variant v, const DeviceInfo& dev, c
   plan.variant = v;
   if (dev.cc == 0) {
     plan.core = Core::kCpu;
-    plan.tile = flash_fwd_cpu_tile();
+    plan.tile = flash_fwd_cpu_tile(v, p.lq, p.window_left);
     plan.why_core = "CPU tensors: the OpenMP core";
-    plan.why_tile = "one thread's tile of scores";
+    plan.why_tile =
+        plan.tile.block_m == kCpuWideRows
+            ? "one thread's tile of scores; 128 query rows (dense or causal, >= 1024 queries): each "
+              "K/V operand read serves twice the rows"
+            : "one thread's tile of scores";
     plan.why_schedule = "OpenMP threads take (batch, head, query tile)s dynamically";
     return plan;
   }

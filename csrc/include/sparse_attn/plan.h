@@ -50,6 +50,14 @@ constexpr FlashTile flash_fwd_fp32_tile() { return {16, 32, 4}; }
 // CPU core: query rows x keys per tile of one thread; block-sparse masks need q_block % 32 == 0
 // and kv_block % 64 == 0 (64 and 128 do).
 constexpr FlashTile flash_fwd_cpu_tile() { return {64, 64, 1}; }
+// Dense and causal attention (no left bound) over at least 1024 queries take 128-row tiles: each
+// key/value operand read serves twice the rows (their reads from beyond L2 bound the fp32 products
+// at D = 128), at the price of one masked diagonal tile per 128 rows; short or banded rows keep 64.
+constexpr int kCpuWideRows = 128;
+inline FlashTile flash_fwd_cpu_tile(Variant v, int lq, int window_left) {
+  if (v == Variant::kWindow && lq >= 1024 && window_left < 0) return {kCpuWideRows, 64, 1};
+  return flash_fwd_cpu_tile();
+}
 
 // The compiled head dimension that serves a head dimension d <= 256 (a multiple of 8): loads
 // are predicated on d, so padding costs time but never correctness.
