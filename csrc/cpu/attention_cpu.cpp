@@ -281,6 +281,11 @@ struct KVCacheLayout {
     const int w = std::min(chunk, int(v_elems / kBlockN) - x0);
     return int64_t(x0) * slots * kBlockN + int64_t(slot) * kBlockN * w;
   }
+  // bf16 V: the 2 x w values of keys 2i and 2i + 1 in column chunk x0 of a slot, interleaved.
+  uint16_t* value_pair(bf16_t* vc, int slot, int x0, int i) const {
+    const int w = std::min(chunk, int(v_elems / kBlockN) - x0);
+    return reinterpret_cast<uint16_t*>(vc + v_offset(slot, x0)) + int64_t(i) * w * 2;
+  }
 };
 
 // A key tile (keys n0 .. n0 + cols) as the fp32 products read it: K transposed into kt (D x kBlockN,
@@ -355,9 +360,8 @@ SA_CPU_CLONES bool pack_kv_bf16(const bf16_t* k, int64_t k_stride, const bf16_t*
   int bad = 0;  // a NaN or Inf among the values
   for (int x0 = 0; x0 < Dv; x0 += kv.chunk) {
     const int w = std::min(kv.chunk, Dv - x0);
-    uint16_t* out = reinterpret_cast<uint16_t*>(vc + kv.v_offset(slot, x0));
     for (int i = 0; i < N / 2; ++i) {
-      uint16_t* o = out + int64_t(i) * w * 2;
+      uint16_t* o = kv.value_pair(vc, slot, x0, i);
       const int k0 = 2 * i;
       const uint16_t* r0 = k0 < cols ? &v[k0 * v_stride + x0].bits : nullptr;
       const uint16_t* r1 = k0 + 1 < cols ? &v[(k0 + 1) * v_stride + x0].bits : nullptr;
@@ -574,9 +578,8 @@ SA_AVX512_BF16 bool pack_kv_bf16_avx512(const bf16_t* k, int64_t k_stride, const
   __mmask32 bad = 0;
   for (int x0 = 0; x0 < Dv; x0 += kv.chunk) {
     const int w = std::min(kv.chunk, Dv - x0);
-    uint16_t* out = reinterpret_cast<uint16_t*>(vc + kv.v_offset(slot, x0));
     for (int i = 0; i < N / 2; ++i) {
-      uint16_t* o = out + int64_t(i) * w * 2;
+      uint16_t* o = kv.value_pair(vc, slot, x0, i);
       const int k0 = 2 * i;
       for (int x = 0; x < w; x += 32) {
         const __mmask32 m = w - x >= 32 ? ~__mmask32(0) : __mmask32((1u << (w - x)) - 1);
