@@ -206,6 +206,31 @@ def test_rows_with_no_key_get_zero_gradients_and_nan_propagates(dtype, device):
         assert not q3.grad[0, 0, :200].isnan().any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_strided_inputs_and_output_gradient(dtype):
+    # (B, L, H, D) storage viewed as (B, H, L, D) for Q, K, V and the output's gradient: the CPU
+    # backward reads the bf16 rows of Q and dO in place for its matrix-unit products, so the
+    # strides must give the contiguous inputs' gradients bit for bit; long rows: 128-row forward tiles.
+    q, k, v = make_qkv(1, 4, 2, 1100, 1100, 64, dtype=dtype, seed=31, layout="blhd")
+    g = torch.randn(1, 1100, 4, 64, generator=torch.Generator().manual_seed(32)).to(dtype).transpose(1, 2)
+    assert not q.is_contiguous() and not g.is_contiguous()
+    fn = lambda q_, k_, v_: sparse_attn.flash_attention(q_, k_, v_, causal=True)  # noqa: E731
+    strided = torch.autograd.grad(fn(*(x.requires_grad_() for x in (q, k, v))), (q, k, v), g)
+    flat = [x.detach().contiguous().requires_grad_() for x in (q, k, v)]
+    contiguous = torch.autograd.grad(fn(*flat), flat, g.contiguous())
+    for a, b in zip(strided, contiguous, strict=True):
+        assert torch.equal(a, b)
+    _check(
+        "flash causal blhd",
+        lambda *x: (fn(*x), None),
+        lambda: _tri(1100, 1100),
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        device="cpu",
+    )
+
+
 def test_backward_is_deterministic():
     q, k, v = make_qkv(2, 8, 2, 150, 150, 64, dtype=torch.bfloat16, seed=2)
     mask = patterns.longformer(150, 30, [0])

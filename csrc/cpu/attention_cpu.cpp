@@ -200,19 +200,6 @@ __attribute__((always_inline)) inline bf16_t bf16_finite(float x) {
   return bf16_t{uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 
-// s[c] = 2^(s[c] - ref) for c < n, returning their sum.
-SA_CPU_CLONES float exp2_row(float* s, int n, float ref) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int c = 0; c < n; ++c) {
-    const float r = exp2_poly(s[c] - ref);
-    s[c] = r;
-    sum += r;
-  }
-  return sum;
-}
-
-
 template <typename T>
 const T* q_row(const AttnFwdParams& p, int b, int h, int64_t i) {
   return static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + i * p.q_row_stride;
@@ -476,6 +463,7 @@ SA_CPU_CLONES void softmax_group(float* s, int rows, int tiles, float scale, con
 #ifdef SA_CPU_AVX512
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own AVX-512 reduction intrinsics
+#pragma GCC diagnostic ignored "-Wuninitialized"  // and its unpack / shuffle intrinsics (_mm512_undefined)
 #define SA_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 #define SA_AVX512F __attribute__((target("avx512f")))
 
@@ -560,6 +548,22 @@ SA_AVX512F bool load_kv_f32_avx512(const float* k, int64_t k_stride, const float
     }
   }
   return bad == 0;
+}
+
+// transpose_tile in AVX-512 (rows past `rows` written as zeros).
+SA_AVX512F void transpose_tile_avx512(const float* x, int rows, float* t) {
+  static_assert(kBlockM == kBlockN, "the transposition takes kBlockN source rows");
+  transpose_words_avx512(x, 4 * kBlockN, rows, kBlockN, reinterpret_cast<uint32_t*>(t), kBlockM);
+}
+
+// transpose_key_tile in AVX-512.
+SA_AVX512F void transpose_key_tile_avx512(const float* x, int width, int cols, float* t) {
+  transpose_words_avx512(x, 4 * int64_t(width), cols, width, reinterpret_cast<uint32_t*>(t), kBlockN);
+}
+
+// transpose_key_pairs in AVX-512.
+SA_AVX512F void transpose_key_pairs_avx512(const bf16_t* x, int64_t stride, int cols, int width, bf16_t* t) {
+  transpose_words_avx512(x, 2 * stride, cols, width / 2, reinterpret_cast<uint32_t*>(t), kBlockN);
 }
 
 // pack_kv_bf16 in AVX-512: K^T by 16 x 16 transpositions of 32-bit words (a word holds a key's
@@ -1017,42 +1021,117 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
   for (int64_t x = 0; x < int64_t(p.lk) * Dv; ++x) dv_out[x] = from_float<T>(dv[x]);
 }
 
-// The same backward over the forward's key-tile iterator, as TileGemm products (fp32): per 64-row
-// query tile and 64-key tile S = Q K^T, P, dP = dO V^T, dS, then dV += P^T dO, dK += dS^T Q,
+// The same backward over the forward's key-tile iterator, as TileGemm products (fp32; S and dP of
+// bf16 inputs on the matrix unit): per 64-row query tile and 64-key tile S = Q K^T, P,
+// dP = dO V^T, dS, then dV += P^T dO, dK += dS^T Q,
 // dQ += dS K (the last three through the guarded pv_tile / ptv_tile where an operand holds NaN or
 // Inf). The key tiles of the (batch, kv head) are held transposed (K^T, V^T) and as rows (K, V);
 // dK and dV accumulate over the group's query heads, in a fixed order.
 struct BwdHeadBuffers {
   AlignedVector<float> kf, vf, kT, vT, dk, dv, qf, dof, o, s, dp, dq, st;
+  AlignedVector<bf16_t> kT16, vT16;  // bf16 inputs on the matrix unit: K^T, V^T per key tile, VNNI pairs
 };
 
 // t (kBlockN x kBlockM) = the first `rows` rows of x (kBlockM x kBlockN) transposed: the A operand
 // of the key-side products P^T dO and dS^T Q (the products take no transpose flag).
+#ifdef SA_CPU_AVX512
+void transpose_tile_avx512(const float* x, int rows, float* t);
+#endif
 SA_CPU_CLONES void transpose_tile(const float* x, int rows, float* t) {
+#ifdef SA_CPU_AVX512
+  if (use_avx512()) return transpose_tile_avx512(x, rows, t);
+#endif
   for (int c = 0; c < kBlockN; ++c)
     for (int r = 0; r < rows; ++r) t[c * kBlockM + r] = x[r * kBlockN + c];
+}
+
+#ifdef SA_CPU_AVX512
+void transpose_key_tile_avx512(const float* x, int width, int cols, float* t);
+#endif
+// t (width x kBlockN) = the key tile x (cols rows of width floats) transposed, columns past cols
+// zero: the backward's K^T and V^T.
+SA_CPU_CLONES void transpose_key_tile(const float* x, int width, int cols, float* t) {
+#ifdef SA_CPU_AVX512
+  if (use_avx512()) return transpose_key_tile_avx512(x, width, cols, t);
+#endif
+  for (int c = 0; c < kBlockN; ++c)
+    for (int i = 0; i < width; ++i) t[i * kBlockN + c] = c < cols ? x[c * width + i] : 0.f;
+}
+
+#ifdef SA_CPU_AVX512
+void transpose_key_pairs_avx512(const bf16_t* x, int64_t stride, int cols, int width, bf16_t* t);
+#endif
+// The same for bf16 rows (row c at x + c * stride) into the products' VNNI layout: t holds width / 2
+// rows of kBlockN words, word (i, c) = features 2i and 2i + 1 of key c.
+void transpose_key_pairs(const bf16_t* x, int64_t stride, int cols, int width, bf16_t* t) {
+#ifdef SA_CPU_AVX512
+  if (use_avx512()) return transpose_key_pairs_avx512(x, stride, cols, width, t);
+#endif
+  uint16_t* o = &t->bits;
+  for (int i = 0; i < width / 2; ++i)
+    for (int c = 0; c < kBlockN; ++c)
+      for (int e = 0; e < 2; ++e)
+        o[(i * kBlockN + c) * 2 + e] = c < cols ? x[c * stride + 2 * i + e].bits : 0;
+}
+
+// The backward's P and dS of a (query tile, key tile) step, in place: for r < rows and every
+// column, P = 2^(s * scale - lse2[r]) where the key is visible (c < cols and, when visible is
+// given, bit c of visible[r]) and 0 elsewhere; then dS = P (dP - delta[r]) where P != 0 and 0
+// elsewhere (a hidden key's dP may be NaN). s becomes P, dp becomes dS. 32 columns a word: 32-bit
+// shifts vectorise, 64-bit ones do not.
+SA_CPU_CLONES void bwd_p_ds_tile(float* s, float* dp, int rows, int cols, float scale,
+                                 const uint64_t* visible, const float* lse2, const float* delta) {
+  constexpr int N = kBlockN;
+  const uint64_t in_range = cols >= 64 ? ~0ull : (uint64_t(1) << cols) - 1;
+  for (int r = 0; r < rows; ++r) {
+    const uint64_t bits = (visible != nullptr ? visible[r] : ~0ull) & in_range;
+    const float ref = lse2[r], d = delta[r];
+    for (int half = 0; half < N / 32; ++half) {
+      const uint32_t word = uint32_t(bits >> (32 * half));
+      float* sh = s + r * N + 32 * half;
+      float* dh = dp + r * N + 32 * half;
+#pragma omp simd
+      for (int c = 0; c < 32; ++c) {
+        const float x = ((word >> c) & 1u) ? sh[c] * scale : kNegInf;
+        const float pc = exp2_poly(x - ref);
+        sh[c] = pc;
+        dh[c] = pc != 0.f ? pc * (dh[c] - d) : 0.f;
+      }
+    }
+  }
 }
 
 template <typename T, typename Tiles>
 void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b, int hk, BwdHeadBuffers& w) {
   const AttnFwdParams& p = g.fwd;
   const int D = p.d, Dv = p.dv, N = kBlockN;
-  std::fill(w.kT.begin(), w.kT.end(), 0.f);
-  std::fill(w.vT.begin(), w.vT.end(), 0.f);
   for (int j = 0; j < p.lk; ++j) {
-    float* kj = &w.kf[int64_t(j) * D];
-    float* vj = &w.vf[int64_t(j) * Dv];
-    load_row(k_row<T>(p, b, hk, j), D, kj);
-    load_row(v_row<T>(p, b, hk, j), Dv, vj);
-    const int64_t t = j / N, c = j % N;
-    for (int x = 0; x < D; ++x) w.kT[(t * D + x) * N + c] = kj[x];
-    for (int x = 0; x < Dv; ++x) w.vT[(t * Dv + x) * N + c] = vj[x];
+    load_row(k_row<T>(p, b, hk, j), D, &w.kf[int64_t(j) * D]);
+    load_row(v_row<T>(p, b, hk, j), Dv, &w.vf[int64_t(j) * Dv]);
+  }
+  // S = Q K^T and dP = dO V^T of bf16 inputs on the matrix unit (exact products, fp32 sums, as the
+  // fp32 path up to the order of the sums); the other three products stay fp32.
+  bool amx = false;
+  if constexpr (std::is_same_v<T, bf16_t>) amx = gm.bf16 != nullptr && D % 16 == 0 && Dv % 16 == 0;
+  for (int t = 0; t * N < p.lk; ++t) {  // K^T and V^T per key tile (missing keys as zero columns)
+    const int cols = std::min(N, p.lk - t * N);
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      if (amx) {
+        transpose_key_pairs(k_row<T>(p, b, hk, t * N), p.k_row_stride, cols, D, &w.kT16[int64_t(t) * D * N]);
+        transpose_key_pairs(v_row<T>(p, b, hk, t * N), p.v_row_stride, cols, Dv,
+                            &w.vT16[int64_t(t) * Dv * N]);
+        continue;
+      }
+    }
+    transpose_key_tile(&w.kf[int64_t(t) * N * D], D, cols, &w.kT[int64_t(t) * D * N]);
+    transpose_key_tile(&w.vf[int64_t(t) * N * Dv], Dv, cols, &w.vT[int64_t(t) * Dv * N]);
   }
   std::fill(w.dk.begin(), w.dk.end(), 0.f);
   std::fill(w.dv.begin(), w.dv.end(), 0.f);
   const bool k_finite = all_finite(w.kf.data(), int64_t(p.lk) * D);
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
   float lse2[kBlockM], delta[kBlockM];
+  uint64_t visible[kBlockM];
   for (int h = hk * p.h_per_kv; h < (hk + 1) * p.h_per_kv; ++h) {
     for (int m_block = 0; m_block < num_m; ++m_block) {
       const int m0 = m_block * kBlockM, rows = std::min(kBlockM, p.lq - m0);
@@ -1074,22 +1153,24 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
       for (int it = 0; it < tiles.num_tiles(); ++it) {
         const int nb = tiles.n_block(it), n0 = nb * N, cols = std::min(N, p.lk - n0);
         if (cols <= 0) continue;
-        gm.f32(rows, N, D, D, N, N, false, w.qf.data(), &w.kT[int64_t(nb) * D * N], w.s.data());
-        gm.f32(rows, N, Dv, Dv, N, N, false, w.dof.data(), &w.vT[int64_t(nb) * Dv * N], w.dp.data());
-        const bool need_mask = tiles.tile_needs_mask(it);
-        for (int r = 0; r < rows; ++r) {
-          float* sr = &w.s[r * N];
-          float* dpr = &w.dp[r * N];
-          for (int c = 0; c < cols; ++c) sr[c] *= p.scale_log2;
-          if (need_mask) {
-            const uint64_t bits = tiles.visible_bits(it, m0 + r);
-            for (int c = 0; c < cols; ++c)
-              if (!((bits >> c) & 1u)) sr[c] = kNegInf;
+        if (amx) {
+          if constexpr (std::is_same_v<T, bf16_t>) {
+            const bf16_t* dout = static_cast<const bf16_t*>(g.dout) + b * g.do_batch_stride +
+                                 h * g.do_head_stride + int64_t(m0) * g.do_row_stride;
+            gm.bf16(rows, N, D, p.q_row_stride, N, N, false, q_row<T>(p, b, h, m0),
+                    &w.kT16[int64_t(nb) * D * N], w.s.data());
+            gm.bf16(rows, N, Dv, g.do_row_stride, N, N, false, dout, &w.vT16[int64_t(nb) * Dv * N],
+                    w.dp.data());
           }
-          exp2_row(sr, cols, lse2[r]);  // P (0 where hidden)
-          for (int c = cols; c < N; ++c) sr[c] = 0.f;
-          for (int c = 0; c < N; ++c) dpr[c] = sr[c] != 0.f ? sr[c] * (dpr[c] - delta[r]) : 0.f;  // dS
+        } else {
+          gm.f32(rows, N, D, D, N, N, false, w.qf.data(), &w.kT[int64_t(nb) * D * N], w.s.data());
+          gm.f32(rows, N, Dv, Dv, N, N, false, w.dof.data(), &w.vT[int64_t(nb) * Dv * N], w.dp.data());
         }
+        const bool need_mask = tiles.tile_needs_mask(it);
+        if (need_mask)
+          for (int r = 0; r < rows; ++r) visible[r] = tiles.visible_bits(it, m0 + r);
+        bwd_p_ds_tile(w.s.data(), w.dp.data(), rows, cols, p.scale_log2, need_mask ? visible : nullptr, lse2,
+                      delta);
         // The products where their operands are finite; otherwise the guarded ones, whose zero P
         // or dS (a hidden key) adds exactly 0 even against a NaN.
         if (do_finite) {  // dV += P^T dO
@@ -1143,9 +1224,14 @@ void attention_bwd_tiled(const AttnBwdParams& g, const TileGemm& gm) {
     w.dp.resize(kBlockM * kBlockN);
     w.dq.resize(kBlockM * p.d);
     w.st.resize(kBlockN * kBlockM);
+    if (std::is_same_v<T, bf16_t> && gm.bf16 != nullptr) {
+      w.kT16.resize(keys * p.d);
+      w.vT16.resize(keys * p.dv);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t x = 0; x < work; ++x)
       attention_bwd_head_tiled<T, Tiles>(g, gm, int(x / p.h_kv), int(x % p.h_kv), w);
+    if (std::is_same_v<T, bf16_t> && gm.bf16 != nullptr) gm.release_bf16();
   }
 }
 
