@@ -1105,14 +1105,15 @@ template <typename T, typename Tiles>
 void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b, int hk, BwdHeadBuffers& w) {
   const AttnFwdParams& p = g.fwd;
   const int D = p.d, Dv = p.dv, N = kBlockN;
-  for (int j = 0; j < p.lk; ++j) {
-    load_row(k_row<T>(p, b, hk, j), D, &w.kf[int64_t(j) * D]);
-    load_row(v_row<T>(p, b, hk, j), Dv, &w.vf[int64_t(j) * Dv]);
-  }
   // S = Q K^T and dP = dO V^T of bf16 inputs on the matrix unit (exact products, fp32 sums, as the
-  // fp32 path up to the order of the sums); the other three products stay fp32.
+  // fp32 path up to the order of the sums); the other three products stay fp32 (K's rows in fp32
+  // for dQ += dS K; V's only for the fp32 dP).
   bool amx = false;
   if constexpr (std::is_same_v<T, bf16_t>) amx = gm.bf16 != nullptr && D % 16 == 0 && Dv % 16 == 0;
+  for (int j = 0; j < p.lk; ++j) {
+    load_row(k_row<T>(p, b, hk, j), D, &w.kf[int64_t(j) * D]);
+    if (!amx) load_row(v_row<T>(p, b, hk, j), Dv, &w.vf[int64_t(j) * Dv]);
+  }
   for (int t = 0; t * N < p.lk; ++t) {  // K^T and V^T per key tile (missing keys as zero columns)
     const int cols = std::min(N, p.lk - t * N);
     if constexpr (std::is_same_v<T, bf16_t>) {
