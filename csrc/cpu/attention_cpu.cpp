@@ -296,7 +296,27 @@ bool load_kv_f32_avx512(const float* k, int64_t k_stride, const float* v, int64_
                         int Dv, float* kt, int64_t k_ld, float* vt);
 bool pack_kv_bf16_avx512(const bf16_t* k, int64_t k_stride, const bf16_t* v, int64_t v_stride, int cols,
                          int D, int Dv, bf16_t* kt, bf16_t* vc, const KVCacheLayout& kv, int slot);
+void transpose_words_avx512_call(const void* src, int64_t stride, int rows, int words, uint32_t* dst,
+                                 int64_t ld);
 #endif
+
+// dst[i * ld + c] = word i of row c (row c at src + c * stride bytes) for i < words, c < kBlockN,
+// rows c >= rows read as zeros: a tile's 32-bit words transposed (fp32 values, or bf16 pairs in the
+// products' VNNI layout). K^T and V^T of the backward, P^T and dS^T, the bf16 K^T of the forward.
+SA_CPU_CLONES void transpose_words(const void* src, int64_t stride, int rows, int words, uint32_t* dst,
+                                   int64_t ld) {
+#ifdef SA_CPU_AVX512
+  if (use_avx512()) return transpose_words_avx512_call(src, stride, rows, words, dst, ld);
+#endif
+  for (int c = 0; c < kBlockN; ++c) {  // each row read contiguously, its words written down a column
+    const char* row = static_cast<const char*>(src) + c * stride;
+    for (int i = 0; i < words; ++i) {
+      uint32_t word = 0;
+      if (c < rows) std::memcpy(&word, row + 4 * i, sizeof(word));
+      dst[i * ld + c] = word;
+    }
+  }
+}
 
 template <typename T>
 bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float* kt, float* vc,
@@ -328,22 +348,7 @@ SA_CPU_CLONES bool pack_kv_bf16(const bf16_t* k, int64_t k_stride, const bf16_t*
                                 int cols, int D, int Dv, bf16_t* kt, bf16_t* vc, const KVCacheLayout& kv,
                                 int slot) {
   constexpr int N = kBlockN;
-  uint32_t* kw = reinterpret_cast<uint32_t*>(kt);
-  const int64_t ld = kv.k_ld();
-  const int words = D / 2;
-  for (int c = 0; c < N; ++c) {  // each key's row read contiguously, its words written down a column
-    uint32_t* col = kw + c;
-    if (c < cols) {
-      const bf16_t* row = k + c * k_stride;
-      for (int i = 0; i < words; ++i) {
-        uint32_t word;
-        std::memcpy(&word, row + 2 * i, sizeof(word));
-        col[i * ld] = word;
-      }
-    } else {
-      for (int i = 0; i < words; ++i) col[i * ld] = 0;
-    }
-  }
+  transpose_words(k, 2 * k_stride, cols, D / 2, reinterpret_cast<uint32_t*>(kt), kv.k_ld());
   int bad = 0;  // a NaN or Inf among the values
   for (int x0 = 0; x0 < Dv; x0 += kv.chunk) {
     const int w = std::min(kv.chunk, Dv - x0);
@@ -550,20 +555,10 @@ SA_AVX512F bool load_kv_f32_avx512(const float* k, int64_t k_stride, const float
   return bad == 0;
 }
 
-// transpose_tile in AVX-512 (rows past `rows` written as zeros).
-SA_AVX512F void transpose_tile_avx512(const float* x, int rows, float* t) {
-  static_assert(kBlockM == kBlockN, "the transposition takes kBlockN source rows");
-  transpose_words_avx512(x, 4 * kBlockN, rows, kBlockN, reinterpret_cast<uint32_t*>(t), kBlockM);
-}
-
-// transpose_key_tile in AVX-512.
-SA_AVX512F void transpose_key_tile_avx512(const float* x, int width, int cols, float* t) {
-  transpose_words_avx512(x, 4 * int64_t(width), cols, width, reinterpret_cast<uint32_t*>(t), kBlockN);
-}
-
-// transpose_key_pairs in AVX-512.
-SA_AVX512F void transpose_key_pairs_avx512(const bf16_t* x, int64_t stride, int cols, int width, bf16_t* t) {
-  transpose_words_avx512(x, 2 * stride, cols, width / 2, reinterpret_cast<uint32_t*>(t), kBlockN);
+// transpose_words in AVX-512.
+SA_AVX512F void transpose_words_avx512_call(const void* src, int64_t stride, int rows, int words,
+                                            uint32_t* dst, int64_t ld) {
+  transpose_words_avx512(src, stride, rows, words, dst, ld);
 }
 
 // pack_kv_bf16 in AVX-512: K^T by 16 x 16 transpositions of 32-bit words (a word holds a key's
@@ -1032,46 +1027,11 @@ struct BwdHeadBuffers {
   AlignedVector<bf16_t> kT16, vT16;  // bf16 inputs on the matrix unit: K^T, V^T per key tile, VNNI pairs
 };
 
-// t (kBlockN x kBlockM) = the first `rows` rows of x (kBlockM x kBlockN) transposed: the A operand
-// of the key-side products P^T dO and dS^T Q (the products take no transpose flag).
-#ifdef SA_CPU_AVX512
-void transpose_tile_avx512(const float* x, int rows, float* t);
-#endif
-SA_CPU_CLONES void transpose_tile(const float* x, int rows, float* t) {
-#ifdef SA_CPU_AVX512
-  if (use_avx512()) return transpose_tile_avx512(x, rows, t);
-#endif
-  for (int c = 0; c < kBlockN; ++c)
-    for (int r = 0; r < rows; ++r) t[c * kBlockM + r] = x[r * kBlockN + c];
-}
-
-#ifdef SA_CPU_AVX512
-void transpose_key_tile_avx512(const float* x, int width, int cols, float* t);
-#endif
-// t (width x kBlockN) = the key tile x (cols rows of width floats) transposed, columns past cols
-// zero: the backward's K^T and V^T.
-SA_CPU_CLONES void transpose_key_tile(const float* x, int width, int cols, float* t) {
-#ifdef SA_CPU_AVX512
-  if (use_avx512()) return transpose_key_tile_avx512(x, width, cols, t);
-#endif
-  for (int c = 0; c < kBlockN; ++c)
-    for (int i = 0; i < width; ++i) t[i * kBlockN + c] = c < cols ? x[c * width + i] : 0.f;
-}
-
-#ifdef SA_CPU_AVX512
-void transpose_key_pairs_avx512(const bf16_t* x, int64_t stride, int cols, int width, bf16_t* t);
-#endif
-// The same for bf16 rows (row c at x + c * stride) into the products' VNNI layout: t holds width / 2
-// rows of kBlockN words, word (i, c) = features 2i and 2i + 1 of key c.
-void transpose_key_pairs(const bf16_t* x, int64_t stride, int cols, int width, bf16_t* t) {
-#ifdef SA_CPU_AVX512
-  if (use_avx512()) return transpose_key_pairs_avx512(x, stride, cols, width, t);
-#endif
-  uint16_t* o = &t->bits;
-  for (int i = 0; i < width / 2; ++i)
-    for (int c = 0; c < kBlockN; ++c)
-      for (int e = 0; e < 2; ++e)
-        o[(i * kBlockN + c) * 2 + e] = c < cols ? x[c * stride + 2 * i + e].bits : 0;
+// t (kBlockN x kBlockM) = the first `rows` rows of x (kBlockM x kBlockN) transposed, zeros after: the
+// A operand of the key-side products P^T dO and dS^T Q (the products take no transpose flag).
+inline void transpose_tile(const float* x, int rows, float* t) {
+  static_assert(kBlockM == kBlockN, "transpose_words reads kBlockN rows");
+  transpose_words(x, 4 * kBlockN, rows, kBlockN, reinterpret_cast<uint32_t*>(t), kBlockM);
 }
 
 // The backward's P and dS of a (query tile, key tile) step, in place: for r < rows and every
@@ -1118,14 +1078,17 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
     const int cols = std::min(N, p.lk - t * N);
     if constexpr (std::is_same_v<T, bf16_t>) {
       if (amx) {
-        transpose_key_pairs(k_row<T>(p, b, hk, t * N), p.k_row_stride, cols, D, &w.kT16[int64_t(t) * D * N]);
-        transpose_key_pairs(v_row<T>(p, b, hk, t * N), p.v_row_stride, cols, Dv,
-                            &w.vT16[int64_t(t) * Dv * N]);
+        transpose_words(k_row<T>(p, b, hk, t * N), 2 * p.k_row_stride, cols, D / 2,
+                        reinterpret_cast<uint32_t*>(&w.kT16[int64_t(t) * D * N]), N);
+        transpose_words(v_row<T>(p, b, hk, t * N), 2 * p.v_row_stride, cols, Dv / 2,
+                        reinterpret_cast<uint32_t*>(&w.vT16[int64_t(t) * Dv * N]), N);
         continue;
       }
     }
-    transpose_key_tile(&w.kf[int64_t(t) * N * D], D, cols, &w.kT[int64_t(t) * D * N]);
-    transpose_key_tile(&w.vf[int64_t(t) * N * Dv], Dv, cols, &w.vT[int64_t(t) * Dv * N]);
+    transpose_words(&w.kf[int64_t(t) * N * D], 4 * D, cols, D,
+                    reinterpret_cast<uint32_t*>(&w.kT[int64_t(t) * D * N]), N);
+    transpose_words(&w.vf[int64_t(t) * N * Dv], 4 * Dv, cols, Dv,
+                    reinterpret_cast<uint32_t*>(&w.vT[int64_t(t) * Dv * N]), N);
   }
   std::fill(w.dk.begin(), w.dk.end(), 0.f);
   std::fill(w.dv.begin(), w.dv.end(), 0.f);
