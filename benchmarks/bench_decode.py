@@ -121,15 +121,15 @@ def run_table(header: list[str], shapes, row_fn) -> list[str]:
 
 def decode_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
     backends = sdpa_backends(torch.device("cuda"))
+    launch = launch_ms()
     header = [
         "decode: one graph replay per call; TB/s = K+V bytes read / time; frac = of the copy bandwidth;",
         "bound ms = one graph launch (a tiny kernel's replay, same run) + K+V bytes at the copy bandwidth; of bound = "
         "bound / ours",
+        f"(one graph launch: {launch * 1e3:.1f} us)",
         f"{'B':>3} {'L':>7} {'Lq':>3} {'splits':>6} {'ours ms':>8} {'TB/s':>6} {'frac':>5} {'bound ms':>8} "
         f"{'of bound':>8} {'cudnn TB/s':>10} {'flash TB/s':>10} {'vs cudnn':>8} {'vs flash':>8}",
     ]
-    launch = launch_ms()
-    header.insert(2, f"(one graph launch: {launch * 1e3:.1f} us)")
     return run_table(
         header,
         args.shapes,
