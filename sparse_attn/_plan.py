@@ -251,7 +251,7 @@ def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target) ->
         )
     if cc == 90:
         return (
-            f"{kernels} (CUDA Hopper kernel: 128 keys per CTA, dK and dV in registers, dQ added by TMA bulk "
+            f"{kernels} (CUDA Hopper kernel: 128 keys per CTA, dK and dV in registers, dQ added by vector "
             "reductions; block-sparse masks of 64-key blocks take the portable mma.sync kernel)"
         )
     return f"{kernels} (CUDA portable mma.sync kernel: 128 keys per CTA, dK and dV in registers, dQ by fp32 atomics)"

@@ -332,6 +332,25 @@ def test_cuda_backward_matches_the_cpu_kernels(d, portable, length):
             torch.testing.assert_close(b.cpu().float(), a.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("portable", [False, True], ids=["planned", "portable"])
+def test_cuda_causal_backward_over_head_groups_and_long_walks(portable):
+    """Causal rows at 2k (32 query tiles per key block, walked from a rotated start) with GQA 8:1
+    over B * Hkv = 6, which the key-major kernels run in groups of 4 and 2 (batch, kv head)s, key
+    block by key block (bwd_tile_of_cta): every gradient against fp32 autograd of the reference on
+    the GPU, with Lq < Lk as well."""
+    for lq, lk in ((2048, 2048), (1900, 2048)):
+        q, k, v = make_qkv(2, 24, 3, lq, lk, 64, dtype=torch.bfloat16, seed=lq, device="cuda")
+        g = torch.randn(2, 24, lq, 64, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+        fn = lambda a, b, c: sparse_attn.flash_attention(a, b, c, causal=True, return_lse=True)  # noqa: E731
+        with sparse_attn._plan.overrides(portable_only=portable):
+            ours = _grads(fn, q, k, v, g)
+        gold = _grads(lambda a, b, c: reference.attention(a, b, c, causal=True, dtype=torch.float32), q, k, v, g)
+        for what, a, b in zip(("dq", "dk", "dv"), ours, gold, strict=True):
+            assert torch.isfinite(a).all(), what
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=lambda m, w=what: f"{w}: {m}")
+
+
 def test_gradcheck_fp32():
     """torch.autograd.gradcheck against finite differences. The ops take no fp64, so in fp32 with
     the step and tolerances fp32 allows (a wrong formula misses by orders of magnitude more)."""

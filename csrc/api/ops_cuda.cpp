@@ -334,6 +334,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
       bp.kv_block_order = nullptr;
       bp.kv_heavy = nullptr;
     }
+    // Causal-type windows: CTAs in head groups, heaviest key blocks first (bwd_tile_of_cta); a
+    // group's Q and dO about 16 MiB, a share of L2.
+    bp.head_group = 0;
+    if (variant == Variant::kWindow && bp.fwd.window_left < 0 && bp.fwd.window_right >= 0) {
+      const int64_t bytes = std::max<int64_t>(1, s.lq * (s.d + s.dv) * 2 * (s.h / s.h_kv));
+      bp.head_group = int(std::clamp<int64_t>((int64_t(16) << 20) / bytes, 1, s.b * s.h_kv));
+    }
     // dQ in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the wgmma
     // fragments in order (j, warp, g, t, e), undone below; the portable kernel's dQ / scale as
     // (B, H, Lq, D).

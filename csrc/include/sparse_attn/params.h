@@ -113,6 +113,11 @@ struct AttnBwdParams {
   // global tokens' keys) run first over every (batch, kv head); nullptr: the grid's order.
   const int32_t* __restrict__ kv_block_order;  // (nKb)
   const int32_t* __restrict__ kv_heavy;        // (1)
+  // Causal-type windows (no right bound past the diagonal, none on the left), where key block n
+  // is seen by the query tiles from its diagonal on: the key-major kernels' CTAs run in groups of
+  // head_group (batch, kv head)s, each group's key blocks in ascending order (heaviest first) over
+  // its heads (bwd_tile_of_cta). 0: the grid's order.
+  int head_group;
 };
 
 // Parameters of top-k selection (exact per-head scores, or the lightning indexer).

@@ -251,13 +251,26 @@ struct BlockSparseTiles {
 // each over every (batch, kv head), then the others as the grid would: a key block that every query
 // block visits (a global token's) would otherwise start as late as its (batch, head) comes and end
 // last, alone (Longformer's backward ran 1.9x its density's share of the dense one).
+//
+// With a head_group (causal masks), the CTAs of head_group (batch, kv head)s at a time run key block
+// by key block: the heaviest (key block 0, seen by every query tile) of the last heads no longer
+// starts among the last CTAs and ends alone (at 4k, 64 query tiles against ~8 per SM left), and a
+// group's Q and dO stay in L2 while its key blocks read them.
 SA_HD void bwd_tile_of_cta(const AttnBwdParams& bp, int x, int y, int nkb, int ys, int& n_block, int& by) {
+  const int64_t linear = int64_t(y) * nkb + x;
+  if (bp.kv_block_order == nullptr && bp.head_group > 0) {
+    const int64_t group = linear / (int64_t(bp.head_group) * nkb), first = group * bp.head_group;
+    const int heads = int(min64(bp.head_group, ys - first));
+    const int64_t r = linear - first * nkb;
+    n_block = int(r / heads);
+    by = int(first + r % heads);
+    return;
+  }
   if (bp.kv_block_order == nullptr) {
     n_block = x;
     by = y;
     return;
   }
-  const int64_t linear = int64_t(y) * nkb + x;
   const int heavy = *bp.kv_heavy;
   const int64_t front = int64_t(heavy) * ys;
   if (linear < front) {
@@ -290,6 +303,10 @@ template <int kBlockM, int kBlockN>
 struct WindowQTiles {
   int heads, lk, left, right, off, n0;
   int m_begin, m_end;  // query tiles [m_begin, m_end) of every head
+  // Each head's walk starts at m_first and wraps around: key tile n_block starts n_block tiles
+  // in, so the CTAs of one head, which run together, add into different dQ tiles (all starting
+  // at m_begin made their reductions collide on one tile's addresses).
+  int m_first;
 
   SA_HD WindowQTiles(const AttnBwdParams& bp, int /*bidb*/, int /*hk*/, int n_block)
       : heads(bp.fwd.h_per_kv),
@@ -307,16 +324,16 @@ struct WindowQTiles {
       m_begin = int(lo / kBlockM);
       m_end = int((hi + kBlockM - 1) / kBlockM);
     }
+    m_first = m_end > m_begin ? m_begin + n_block % (m_end - m_begin) : m_begin;
   }
 
   SA_HD bool start(QTilePos& s) const {
-    s = QTilePos{0, m_begin, -1, 0, 0, 0, 0};
+    s = QTilePos{0, m_first, -1, 0, 0, 0, 0};
     return m_end > m_begin && heads > 0;
   }
   SA_HD bool advance(QTilePos& s) const {
-    if (++s.m_block < m_end) return true;
-    s.m_block = m_begin;
-    return ++s.hl < heads;
+    if (++s.m_block == m_end) s.m_block = m_begin;
+    return s.m_block != m_first || ++s.hl < heads;
   }
   SA_HD bool needs_mask(const QTilePos& s) const {
     const int64_t m0 = int64_t(s.m_block) * kBlockM, m1 = m0 + kBlockM;

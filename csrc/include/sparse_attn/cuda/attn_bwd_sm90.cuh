@@ -9,9 +9,9 @@
 //   S^T = K Q^T and dP^T = V dO^T  (wgmma, both operands K-major in shared memory),
 //   P^T, dS^T in registers; dV += P^T dO and dK += dS^T Q (wgmma with A from registers),
 //   dS written transposed (stmatrix) as the K-major A of dQ = dS K (B = K, MN-major),
-// dQ staged in shared memory and added to the fp32 accumulator by a TMA bulk reduction. At head
-// dim 128 each consumer computes 64 of dQ's columns over all 128 keys; at 64, all columns over its
-// own 64 keys (the two reductions then add into one tile).
+// each consumer computing half of dQ's columns over all 128 keys and adding it to the fp32
+// accumulator by vector reductions. Per tile the products are issued so that the exponentials of
+// P^T run under dP^T, dS^T under dV, and dQ's reductions under dK.
 //
 // Shared memory is 128-byte swizzled as in the forward (flash_fwd_sm90.cuh): a tile of R rows and
 // D columns is D / 64 column blocks of R rows x 128 bytes, each 1024-byte aligned.
@@ -21,6 +21,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "sparse_attn/cuda/attn_bwd.cuh"
 #include "sparse_attn/cuda/ptx_sm90.cuh"
@@ -53,16 +54,13 @@ struct AttnBwdSm90Traits {
   static constexpr int kStatBytes = 2 * kBlockM * 4;  // lse_log2, then delta
   static constexpr int kDsColBytes = kBlockM * 128;   // dS: (query, key), two column blocks of 64 keys
   static constexpr int kDsBytes = 2 * kDsColBytes;
-  static constexpr int kDqTileBytes =
-      64 * 64 * 4;  // a consumer's fp32 dQ tile, staged for the bulk reduction
-  // K, V, the stages' Q and dO, dS, the consumers' dQ tiles, then the stages' statistics.
+  // dQ's columns per consumer, each over all 128 keys
+  static constexpr int kDqCols = kHeadDim / 2;
+  // K, V, the stages' Q and dO, two dS buffers, then the stages' statistics.
   static constexpr int kSmemBytes =
-      1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * kDsBytes + 2 * kDqTileBytes + kStages * kStatBytes;
+      1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * kDsBytes + kStages * kStatBytes;
   static_assert(kSmemBytes + 64 <= 227 * 1024);
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  // The next tile's S^T and dP^T issued before this tile's dQ is staged (head dim 64 only: at 128,
-  // dK, dV, S^T, dP^T and dQ's accumulators would need 224 of the 240 registers).
-  static constexpr bool kPipelined = kHeadDim == 64 && kDq;
   static_assert(128 * kProducerRegs + 2 * 128 * kConsumerRegs <= kNThreads * ((65536 / kNThreads) & ~7));
   using QTiles = typename QTilesOf<kVariant, kBlockM, kBlockN>::type;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
@@ -82,9 +80,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint32_t sQ = sV + Tr::kKBytes;             // kStages buffers
   const uint32_t sdO = sQ + kStages * Tr::kQBytes;  // kStages buffers
   const uint32_t sDs = sdO + kStages * Tr::kQBytes;
-  const uint32_t sDq =
-      sDs + 2 * Tr::kDsBytes;  // (two dS buffers, alternating by tile)            // one dQ tile per consumer
-  const uint32_t sStat = sDq + 2 * Tr::kDqTileBytes;  // kStages x (lse_log2[64], delta[64])
+  const uint32_t sStat = sDs + 2 * Tr::kDsBytes;  // kStages x (lse_log2[64], delta[64])
   const float* stat_ptr = reinterpret_cast<const float*>(smem_raw + (sStat - smem_u32(smem_raw)));
   __shared__ alignas(8) uint64_t barriers[1 + 2 * kStages];
   const uint32_t bar_kv = smem_u32(barriers), bar_full = bar_kv + 8, bar_empty = bar_full + 8 * kStages;
@@ -117,9 +113,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       tma_load_4d(sV + c * Tr::kKColBytes, &args.tma_v, bar_kv, c * 64, n0, hk, b);
     }
     QTilePos cur = first;
-    for (int n = 0;; ++n) {
-      const int s = n % kStages;
-      mbar_wait(bar_empty + 8 * s, ((n / kStages) & 1) ^ 1);
+    for (int s = 0, phase = 0;; s = s + 1 == kStages ? 0 : s + 1, phase ^= s == 0) {
+      mbar_wait(bar_empty + 8 * s, phase ^ 1);
       mbar_expect_tx(bar_full + 8 * s, 2 * Tr::kQBytes + Tr::kStatBytes);
       const int h = hk * p.h_per_kv + cur.hl, m0 = cur.m_block * kBlockM;
 #pragma unroll
@@ -139,7 +134,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
   // ---------------- consumers ----------------
   setmaxnreg_inc<Tr::kConsumerRegs>();
-  const int wg = threadIdx.x / 128 - 1;  // keys n0 + 64 wg .. n0 + 64 wg + 63
+  // keys n0 + 64 wg .. n0 + 64 wg + 63 (read through a shuffle so the compiler knows it is
+  // warp-uniform: the wgmma descriptors below then live in uniform registers)
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0) - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int key_row = n0 + wg * 64 + warp * 16 + g;  // this thread's keys: key_row, key_row + 8
@@ -148,72 +145,114 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 #pragma unroll
   for (int i = 0; i < kDTiles * 4; ++i) dk[i] = dv[i] = 0.f;
 
-  // S^T = K Q^T and dP^T = V dO^T of the query tile in stage s, over this warpgroup's 64 keys
-  // (K = head dim, 16 per wgmma), committed as one group.
+  // S^T = K Q^T (or dP^T = V dO^T) of the query tile in stage s over this warpgroup's 64 keys
+  // (K = head dim, 16 per wgmma), each committed as a group of its own.
   float st[1][8][4], dpt[1][8][4];
   auto& st_flat = reinterpret_cast<float (&)[32]>(st);
   auto& dpt_flat = reinterpret_cast<float (&)[32]>(dpt);
-  auto issue_sdp = [&](int n) {
-    const int s = n % kStages;
-    const uint32_t q_s = sQ + s * Tr::kQBytes, do_s = sdO + s * Tr::kQBytes;
-    mbar_wait(bar_full + 8 * s, (n / kStages) & 1);
+  // wgmma descriptors: one per operand, stepped by adding (byte offset >> 4) to the start-address
+  // field (shared addresses stay below 256 KiB, so the 14-bit field never carries).
+  const uint64_t k_rows = sw128_desc(sK + wg * 64 * 128, 16, 1024);  // A of S^T: K-major
+  const uint64_t v_rows = sw128_desc(sV + wg * 64 * 128, 16, 1024);
+  const uint64_t q_kmajor = sw128_desc(sQ, 16, 1024), do_kmajor = sw128_desc(sdO, 16, 1024);
+  const uint64_t q_mnmajor = sw128_desc(sQ, Tr::kQColBytes, 1024);  // B of dK and dV
+  const uint64_t do_mnmajor = sw128_desc(sdO, Tr::kQColBytes, 1024);
+  const uint64_t ds_kmajor = sw128_desc(sDs, 16, 1024);  // A of dQ
+  // B of dQ: K's columns kDqCols * wg ..; at head dim 64 the halves start 64 bytes apart inside
+  // its 128-byte swizzled rows
+  const uint64_t k_cols = sw128_desc(sK + (kHeadDim == 128 ? wg * Tr::kKColBytes : wg * 64), Tr::kKColBytes, 1024);
+  auto rows_gemm = [&](float (&acc)[32], uint64_t a_desc, uint64_t b_desc) {
     // A: this warpgroup's 64 rows of K (or V); B: the tile's Q (or dO); both K-major.
-    auto rows_gemm = [&](float (&acc)[32], uint32_t a_tile, uint32_t b_tile) {
-      static_for<kHeadDim / 16>([&](auto kk_) {
-        constexpr int kk = decltype(kk_)::value;
-        constexpr uint32_t off = (kk % 4) * 32;
-        const uint64_t da = sw128_desc(a_tile + (kk / 4) * Tr::kKColBytes + wg * 64 * 128 + off, 16, 1024);
-        const uint64_t db = sw128_desc(b_tile + (kk / 4) * Tr::kQColBytes + off, 16, 1024);
-        Wgmma<Tr::kDtype, 64>::ss(acc, da, db, kk > 0 ? 1 : 0);
-      });
-    };
     wgmma_fence();
-    rows_gemm(st_flat, sK, q_s);
-    rows_gemm(dpt_flat, sV, do_s);
+    static_for<kHeadDim / 16>([&](auto kk_) {
+      constexpr int kk = decltype(kk_)::value;
+      constexpr uint32_t off = (kk % 4) * 32;
+      Wgmma<Tr::kDtype, 64>::ss(acc, a_desc + (((kk / 4) * Tr::kKColBytes + off) >> 4),
+                                b_desc + (((kk / 4) * Tr::kQColBytes + off) >> 4), kk > 0 ? 1 : 0);
+    });
     wgmma_commit();
   };
 
+  // Per tile, in the order the tensor cores take them (one warpgroup): S^T | dP^T (P^T's
+  // exponentials meanwhile) | dV (dS^T meanwhile) | dQ | dK (dQ's reductions meanwhile). Issuing
+  // the next tile's S^T before this tile's dQ is reduced made ptxas serialise every wgmma of the
+  // kernel (docs/PERF_LOG.md).
   QTilePos cur = first;
   bool have = any;
-  if (any) {
-    mbar_wait(bar_kv, 0);
-    if constexpr (Tr::kPipelined) issue_sdp(0);
-  }
+  if (any) mbar_wait(bar_kv, 0);
   for (int n = 0; have; ++n) {
-    const int s = n % kStages;
+    const int s = n % kStages, phase = (n / kStages) & 1;
     const int h = hk * p.h_per_kv + cur.hl, m_block = cur.m_block, m0 = m_block * kBlockM;
-    const uint32_t q_s = sQ + s * Tr::kQBytes, do_s = sdO + s * Tr::kQBytes;
-    if constexpr (!Tr::kPipelined) issue_sdp(n);
-    wgmma_wait<0>();  // S^T and dP^T of this tile (pipelined: issued by the previous step or above)
+    const uint32_t stage_off = s * (Tr::kQBytes >> 4);  // the stage's Q and dO, in descriptor units
+    mbar_wait(bar_full + 8 * s, phase);
+    rows_gemm(st_flat, k_rows, q_kmajor + stage_off);
+    rows_gemm(dpt_flat, v_rows, do_kmajor + stage_off);
+    wgmma_wait<1>();  // S^T (dP^T runs on)
     fence_regs(st_flat);
-    fence_regs(dpt_flat);
 
-    // P^T and dS^T (masked elements and keys past Lk: 0).
+    // P^T (masked elements and keys past Lk: 0).
     const float* lse_s = stat_ptr + s * (Tr::kStatBytes / 4);
     const float* delta_s = lse_s + kBlockM;
-    const bool masked = tiles.needs_mask(cur);
+    // Two copies for windows and causal rows: tiles without a hidden element test none (block-sparse
+    // keeps one: the second copy's registers made ptxas spill).
+    auto probabilities = [&](auto masked_) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t);
-      const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t);
+      for (int j = 0; j < 8; ++j) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
-        if (masked && !tiles.visible(cur, m0 + j * 8 + 2 * t + e % 2, key_row + 8 * (e / 2))) pe = 0.f;
-        st[0][j][e] = pe;
-        dpt[0][j][e] = pe != 0.f ? pe * (dpt[0][j][e] - (e % 2 ? d2.y : d2.x)) : 0.f;
+        for (int e = 0; e < 4; ++e) {
+          float pe = exp2f(fmaf(st[0][j][e], p.scale_log2, -(e % 2 ? l2.y : l2.x)));
+          if (decltype(masked_)::value && !tiles.visible(cur, m0 + j * 8 + 2 * t + e % 2, key_row + 8 * (e / 2)))
+            pe = 0.f;
+          st[0][j][e] = pe;
+        }
       }
-    }
+    };
+    const bool masked = Tr::kVariant == Variant::kBlockSparse || tiles.needs_mask(cur);
+    if (masked)
+      probabilities(std::true_type{});
+    else
+      probabilities(std::false_type{});
     uint32_t pa[1][4][4], dsa[1][4][4];
     pack_p<Tr::kDtype>(st, pa);
+    auto& pa_flat = reinterpret_cast<uint32_t (&)[16]>(pa);
+    auto& dsa_flat = reinterpret_cast<uint32_t (&)[16]>(dsa);
+
+    // dV += P^T dO: K = the 64 queries, B MN-major (16 query rows = 2048 bytes).
+    wgmma_fence();
+    static_for<4>([&](auto kk_) {
+      constexpr int kk = decltype(kk_)::value;
+      Wgmma<Tr::kDtype, kHeadDim>::rs(dv, pa[0][kk], do_mnmajor + stage_off + kk * (2048 >> 4));
+    });
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T (dV runs on)
+    fence_regs(dpt_flat);
+
+    // dS^T = P^T (dP^T - delta); where P is 0 in a tile with hidden elements, 0 (their dP^T may be
+    // made of hidden values).
+    auto dscores = [&](auto masked_) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float ds = st[0][j][e] * (dpt[0][j][e] - (e % 2 ? d2.y : d2.x));
+          dpt[0][j][e] = !decltype(masked_)::value || st[0][j][e] != 0.f ? ds : 0.f;
+        }
+      }
+    };
+    if (masked)
+      dscores(std::true_type{});
+    else
+      dscores(std::false_type{});
     pack_p<Tr::kDtype>(dpt, dsa);
 
     // dS (query, key) into shared memory, K-major for dQ: column block wg of this tile's buffer,
     // 16 keys per warp. The buffers alternate: the one written here was last read by the dQ of two
     // tiles ago, which both warpgroups waited for before the barrier that the previous tile's dQ
-    // waited at. At head dim 64 each warpgroup's dQ reads only its own block: the two run
-    // unsynchronised.
+    // waited at.
     const uint32_t ds_buf = sDs + (n % 2) * Tr::kDsBytes;
+    float dqa[Tr::kDqCols / 2];
     if constexpr (Tr::kDq) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -221,93 +260,52 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         stmatrix_x4_trans(ds_buf + wg * Tr::kDsColBytes + q * 128 + ((chunk ^ (q & 7)) * 16), dsa[0][kk]);
       }
       fence_proxy_async();
+      named_barrier(1, 256);  // both halves of dS written
+
+      // dQ (64 queries x kDqCols columns from kDqCols * wg) = dS K over all 128 keys: one
+      // reduction per tile and column half (two per tile of the accumulator would double its
+      // traffic).
+      const uint64_t ds_desc = ds_kmajor + (n % 2) * (Tr::kDsBytes >> 4);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        Wgmma<Tr::kDtype, Tr::kDqCols>::ss_mn(dqa, ds_desc + (((kk / 4) * Tr::kDsColBytes + (kk % 4) * 32) >> 4),
+                                              k_cols + kk * (2048 >> 4), kk > 0 ? 1 : 0);
+      wgmma_commit();
     }
 
-    // dV += P^T dO and dK += dS^T Q: K = the 64 queries, B MN-major (16 query rows = 2048 bytes).
-    auto& pa_flat = reinterpret_cast<uint32_t (&)[16]>(pa);
-    auto& dsa_flat = reinterpret_cast<uint32_t (&)[16]>(dsa);
+    // dK += dS^T Q.
     wgmma_fence();
     static_for<4>([&](auto kk_) {
       constexpr int kk = decltype(kk_)::value;
-      Wgmma<Tr::kDtype, kHeadDim>::rs(dv, pa[0][kk], sw128_desc(do_s + kk * 2048, Tr::kQColBytes, 1024));
-      Wgmma<Tr::kDtype, kHeadDim>::rs(dk, dsa[0][kk], sw128_desc(q_s + kk * 2048, Tr::kQColBytes, 1024));
+      Wgmma<Tr::kDtype, kHeadDim>::rs(dk, dsa[0][kk], q_mnmajor + stage_off + kk * (2048 >> 4));
     });
     wgmma_commit();
-    if constexpr (!Tr::kDq) {
-      wgmma_wait<0>();
-      fence_regs(dk);
-      fence_regs(dv);
-      fence_regs(pa_flat);
-      fence_regs(dsa_flat);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-      have = tiles.advance(cur);
-      continue;
-    }
-    if constexpr (kHeadDim == 128)
-      named_barrier(1, 256);  // both halves of dS written
-    else
-      named_barrier(1 + wg, 128);  // this warpgroup's half written
+    have = tiles.advance(cur);
 
-    // dQ (64 queries x 64 columns) = dS K: head dim 128, columns 64 wg .. over all 128 keys;
-    // 64, every column over this warpgroup's keys. A group of its own.
-    float dqa[32];
-    constexpr int kKeySteps = kHeadDim == 128 ? 8 : 4;
-    const int step0 = kHeadDim == 128 ? 0 : 4 * wg, col_block = kHeadDim == 128 ? wg : 0;
+    if constexpr (Tr::kDq) {
+      wgmma_wait<1>();  // dV and dQ (dK runs on)
+      fence_regs(dqa);
+      // dQ added to the fp32 accumulator by vector reductions (red.global.add.v4.f32), which
+      // hold each 64 x 64 tile in fragment order: float4 j of thread T at (j * 128 + T) * 16 bytes
+      // (AttnBwdParams), so every warp's reduction covers 512 contiguous bytes. A warpgroup's
+      // column half is the float4s from wg * kDqCols / 8. (Staging the tile in shared memory for
+      // one TMA bulk reduction cost a proxy fence and two barriers per tile: 1-5 % slower.)
+      float* dst = bp.dq_accum + ((int64_t(b) * p.h + h) * (bp.lq_pad / kBlockM) + m_block) * kBlockM * kHeadDim +
+                   wg * kBlockM * Tr::kDqCols + tid * 4;
 #pragma unroll
-    for (int i = 0; i < kKeySteps; ++i) {
-      const int kk = step0 + i;
-      const uint64_t da = sw128_desc(ds_buf + (kk / 4) * Tr::kDsColBytes + (kk % 4) * 32, 16, 1024);
-      const uint64_t db = sw128_desc(sK + col_block * Tr::kKColBytes + kk * 2048, Tr::kKColBytes, 1024);
-      Wgmma<Tr::kDtype, 64>::ss_mn(dqa, da, db, i > 0 ? 1 : 0);
+      for (int j = 0; j < Tr::kDqCols / 8; ++j)  // scale * dQ: the glue only reorders and casts
+        red_add_v4(dst + j * 512, dqa[4 * j] * p.scale, dqa[4 * j + 1] * p.scale, dqa[4 * j + 2] * p.scale,
+                   dqa[4 * j + 3] * p.scale);
     }
-    wgmma_commit();
-    wgmma_wait<1>();  // dV and dK: P^T and dS^T's registers, Q and dO of stage s are free
+    wgmma_wait<0>();  // dK: P^T and dS^T's registers, Q and dO of stage s are free
     fence_regs(dk);
     fence_regs(dv);
     fence_regs(pa_flat);
     fence_regs(dsa_flat);
     __syncwarp();
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-    // Head dim 64: the next tile's S^T and dP^T queue behind dQ, so the tensor cores stay busy
-    // while dQ is staged and reduced below (an empty group when there is none keeps the wait
-    // unconditional). At 128 their registers are not there (ptxas serialises the wgmmas): they
-    // are issued at the next step's start.
-    have = tiles.advance(cur);
-    if constexpr (Tr::kPipelined) {
-      if (have)
-        issue_sdp(n + 1);
-      else
-        wgmma_commit();
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
-    fence_regs(dqa);
-
-    // dQ to the fp32 accumulator by a bulk reduction (the TMA unit adds it while the warpgroup goes
-    // on): the 64 x 64 tile staged in shared memory in fragment order, float4 j of thread T at
-    // (j * 128 + T) * 16 bytes, which is the accumulator's layout of the tile (AttnBwdParams).
-    const uint32_t stage_dq = sDq + wg * Tr::kDqTileBytes;
-    if (tid == 0) bulk_wait_group<0, true>();  // this warpgroup's previous reduction has read it
-    named_barrier(3 + wg, 128);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)  // scale * dQ: the glue only reorders and casts
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(stage_dq + (j * 128 + tid) * 16),
-                   "f"(dqa[4 * j] * p.scale), "f"(dqa[4 * j + 1] * p.scale), "f"(dqa[4 * j + 2] * p.scale),
-                   "f"(dqa[4 * j + 3] * p.scale)
-                   : "memory");
-    fence_proxy_async();
-    named_barrier(3 + wg, 128);
-    if (tid == 0) {
-      const int64_t tile =
-          ((int64_t(b) * p.h + h) * (bp.lq_pad / kBlockM) + m_block) * Tr::kColBlocks + col_block;
-      bulk_reduce_add_f32(bp.dq_accum + tile * (Tr::kDqTileBytes / 4), stage_dq, Tr::kDqTileBytes);
-      bulk_commit_group();
-    }
   }
-  if (Tr::kDq && tid == 0)
-    bulk_wait_group<0, true>();  // the staging buffer lives until its last reduction read it
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO.
   using Element = typename ElementOf<Tr::kDtype>::type;

@@ -67,11 +67,10 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-// Adds `bytes` (a multiple of 16) of fp32 from shared memory to global memory element-wise
-// (atomically per element), as a bulk group of this thread.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-  SA_SM90_ASM("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
-              "r"(src), "r"(bytes) : "memory");
+// Adds four floats to 16-byte aligned global memory (atomically per element, no result).
+__device__ __forceinline__ void red_add_v4(float* dst, float a, float b, float c, float d) {
+  SA_SM90_ASM("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
+              : "memory");
 }
 // Four 8x8 16-bit matrices from registers (mma.sync's fragment layout: lane l holds row l / 4,
 // columns 2 (l % 4) and 2 (l % 4) + 1 of each) to shared memory transposed: row i of matrix j
