@@ -1061,8 +1061,13 @@ SA_CPU_CLONES void bwd_p_ds_tile(float* s, float* dp, int rows, int cols, float 
   }
 }
 
+// One work item of the backward: kv head hk of batch b over the (query head, query tile) pairs i of
+// its group (i = head * tiles + tile) with i % splits == split. dQ is the item's own; dK and dV are
+// written to the outputs when the item is the head's only one (splits == 1), else as fp32 partials
+// to dk_part / dv_part for attention_bwd_tiled to sum.
 template <typename T, typename Tiles>
-void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b, int hk, BwdHeadBuffers& w) {
+void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b, int hk, BwdHeadBuffers& w,
+                              int split, int splits, float* dk_part, float* dv_part) {
   const AttnFwdParams& p = g.fwd;
   const int D = p.d, Dv = p.dv, N = kBlockN;
   // S = Q K^T and dP = dO V^T of bf16 inputs on the matrix unit (exact products, fp32 sums, as the
@@ -1096,8 +1101,9 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
   float lse2[kBlockM], delta[kBlockM];
   uint64_t visible[kBlockM];
-  for (int h = hk * p.h_per_kv; h < (hk + 1) * p.h_per_kv; ++h) {
-    for (int m_block = 0; m_block < num_m; ++m_block) {
+  for (int i = split; i < p.h_per_kv * num_m; i += splits) {
+    {  // (interleaved pairs: under a causal mask every split gets early and late query tiles)
+      const int h = hk * p.h_per_kv + i / num_m, m_block = i % num_m;
       const int m0 = m_block * kBlockM, rows = std::min(kBlockM, p.lq - m0);
       for (int r = 0; r < rows; ++r) {
         const int64_t row = (int64_t(b) * p.h + h) * p.lq + m0 + r;
@@ -1161,16 +1167,35 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
       }
     }
   }
+  if (dk_part != nullptr) {
+    std::copy(w.dk.begin(), w.dk.end(), dk_part);
+    std::copy(w.dv.begin(), w.dv.end(), dv_part);
+    return;
+  }
   T* dk_out = static_cast<T*>(g.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * D;
   T* dv_out = static_cast<T*>(g.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * Dv;
   for (int64_t x = 0; x < int64_t(p.lk) * D; ++x) dk_out[x] = from_float<T>(w.dk[x] * p.scale);
   for (int64_t x = 0; x < int64_t(p.lk) * Dv; ++x) dv_out[x] = from_float<T>(w.dv[x]);
 }
 
+// Splits of each (batch, kv head)'s query tiles: 1 when the (batch, kv head)s keep every thread busy;
+// else enough for the threads (MQA, GQA and single sequences on many cores), their dK and dV partials
+// at most 256 MiB. A function of the shape and the thread count only: the same run to run.
+inline int bwd_splits(const AttnFwdParams& p, int threads) {
+  const int64_t work = int64_t(p.b) * p.h_kv, pairs = int64_t(p.h_per_kv) * ((p.lq + kBlockM - 1) / kBlockM);
+  if (work >= threads || pairs < 2) return 1;
+  const int64_t per_split = work * p.lk * int64_t(p.d + p.dv) * 4;
+  const int64_t by_memory = std::max<int64_t>(1, (int64_t(256) << 20) / std::max<int64_t>(per_split, 1));
+  return int(std::min({(threads + work - 1) / work, pairs, by_memory}));
+}
+
 template <typename T, typename Tiles>
 void attention_bwd_tiled(const AttnBwdParams& g, const TileGemm& gm) {
   const AttnFwdParams& p = g.fwd;
-  const int64_t work = int64_t(p.b) * p.h_kv;
+  const int64_t heads = int64_t(p.b) * p.h_kv;
+  const int splits = bwd_splits(p, omp_get_max_threads());
+  const int64_t work = heads * splits, kv_floats = int64_t(p.lk) * (p.d + p.dv);
+  ScratchVector<float> parts(splits > 1 ? work * kv_floats : 0);  // per item: dK then dV, fp32
   const int64_t keys = int64_t((p.lk + kBlockN - 1) / kBlockN) * kBlockN;
 #pragma omp parallel
   {
@@ -1193,9 +1218,33 @@ void attention_bwd_tiled(const AttnBwdParams& g, const TileGemm& gm) {
       w.vT16.resize(keys * p.dv);
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t x = 0; x < work; ++x)
-      attention_bwd_head_tiled<T, Tiles>(g, gm, int(x / p.h_kv), int(x % p.h_kv), w);
+    for (int64_t x = 0; x < work; ++x) {
+      const int64_t head = x / splits;
+      float* part = splits > 1 ? parts.data() + x * kv_floats : nullptr;
+      attention_bwd_head_tiled<T, Tiles>(g, gm, int(head / p.h_kv), int(head % p.h_kv), w, int(x % splits),
+                                         splits, part,
+                                         part != nullptr ? part + int64_t(p.lk) * p.d : nullptr);
+    }
     if (std::is_same_v<T, bf16_t> && gm.bf16 != nullptr) gm.release_bf16();
+  }
+  if (splits == 1) return;
+  // dK, dV: the splits' partials summed in split order (the same sums run to run), by key rows.
+  const int64_t rows_per_chunk = 64, chunks = (p.lk + rows_per_chunk - 1) / rows_per_chunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < heads * chunks; ++c) {
+    const int64_t head = c / chunks, r0 = (c % chunks) * rows_per_chunk,
+                  r1 = std::min<int64_t>(p.lk, r0 + rows_per_chunk);
+    for (int which = 0; which < 2; ++which) {
+      const int cols = which == 0 ? p.d : p.dv;
+      const int64_t at = which == 0 ? 0 : int64_t(p.lk) * p.d;  // dV after dK in each part
+      T* out = static_cast<T*>(which == 0 ? g.dk : g.dv) + head * p.lk * cols;
+      const float factor = which == 0 ? p.scale : 1.f;
+      for (int64_t x = r0 * cols; x < r1 * cols; ++x) {
+        float sum = 0.f;
+        for (int sp = 0; sp < splits; ++sp) sum += parts[(head * splits + sp) * kv_floats + at + x];
+        out[x] = from_float<T>(sum * factor);
+      }
+    }
   }
 }
 
