@@ -252,23 +252,26 @@ def test_backward_is_deterministic():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cpu_backward_splits_query_tiles_over_threads(dtype):
     """With fewer (batch, kv head)s than threads (here MQA, B = 1, 4 threads) the CPU backward splits
-    each one's (query head, query tile) pairs over the threads and sums their dK, dV partials in split
+    each one's query tiles (top-k: rows) over the threads and sums their dK, dV partials in split
     order: the gradients of one thread up to the sums' rounding, and bit-identical run to run."""
     q, k, v = make_qkv(1, 4, 1, 300, 300, 64, dtype=dtype, seed=7)
     g = torch.randn(1, 4, 300, 64, generator=torch.Generator().manual_seed(8)).to(dtype)
-    fn = lambda a, b, c: sparse_attn.flash_attention(a, b, c, causal=True, return_lse=True)  # noqa: E731
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _grads(fn, q, k, v, g)
-        torch.set_num_threads(4)
-        split = [_grads(fn, q, k, v, g) for _ in range(2)]
-    finally:
-        torch.set_num_threads(threads)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for a, b, c in zip(one, *split, strict=True):
-        assert torch.equal(b, c)
-        torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
+    for fn in (  # the tiled kernels' path and top-k's row by row one
+        lambda a, b, c: sparse_attn.flash_attention(a, b, c, causal=True, return_lse=True),
+        lambda a, b, c: sparse_attn.topk_attention(a, b, c, 40, causal=True, return_lse=True),
+    ):
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = _grads(fn, q, k, v, g)
+            torch.set_num_threads(4)
+            split = [_grads(fn, q, k, v, g) for _ in range(2)]
+        finally:
+            torch.set_num_threads(threads)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        for a, b, c in zip(one, *split, strict=True):
+            assert torch.equal(b, c)
+            torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
 
 
 def test_compiled_training_step_equals_eager(device):

@@ -968,11 +968,65 @@ void gather_impl(const AttnFwdParams& p) {
 // then dV_j += p_ij dO_i, dQ_i += scale ds_ij k_j, dK_j += scale ds_ij q_i. A row that saw no key
 // (LSE -inf) has zero gradients.
 
+// The backward's work items: every (batch, kv head), each split over `splits` items when the (batch,
+// kv head)s are fewer than the threads (MQA, GQA and single sequences on many cores): enough for the
+// threads, at most `units` (the items interleave the head's query-side units) and 256 MiB of fp32
+// dK / dV partials. A function of the shape and the thread count only, so the sums are the same run
+// to run. run(state, b, hk, split, splits, dk_part, dv_part) does an item with a thread's state
+// (make_state(), finish(state) after the thread's last item); unsplit (dk_part == nullptr) it writes dK and
+// dV itself, else its partials, summed here in split order (dK times dk_factor).
+template <typename T, typename MakeState, typename Run, typename Finish>
+void bwd_work_items(const AttnBwdParams& g, int64_t units, float dk_factor, MakeState make_state, Run run,
+                    Finish finish) {
+  const AttnFwdParams& p = g.fwd;
+  const int64_t heads = int64_t(p.b) * p.h_kv, kv_floats = int64_t(p.lk) * (p.d + p.dv);
+  const int threads = omp_get_max_threads();
+  int splits = 1;
+  if (heads < threads && units > 1)
+    splits = int(std::min<int64_t>(
+        {(threads + heads - 1) / heads, units,
+         std::max<int64_t>(1, (int64_t(256) << 20) / std::max<int64_t>(1, heads * kv_floats * 4))}));
+  const int64_t work = heads * splits;
+  ScratchVector<float> parts(splits > 1 ? work * kv_floats : 0);  // per item: dK, then dV
+#pragma omp parallel
+  {
+    auto state = make_state();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t x = 0; x < work; ++x) {
+      const int64_t head = x / splits;
+      float* part = splits > 1 ? parts.data() + x * kv_floats : nullptr;
+      run(state, int(head / p.h_kv), int(head % p.h_kv), int(x % splits), splits, part,
+          part != nullptr ? part + int64_t(p.lk) * p.d : nullptr);
+    }
+    finish(state);
+  }
+  if (splits == 1) return;
+  const int64_t rows_per_chunk = 64, chunks = (p.lk + rows_per_chunk - 1) / rows_per_chunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < heads * chunks; ++c) {
+    const int64_t head = c / chunks, r0 = (c % chunks) * rows_per_chunk,
+                  r1 = std::min<int64_t>(p.lk, r0 + rows_per_chunk);
+    for (int which = 0; which < 2; ++which) {
+      const int cols = which == 0 ? p.d : p.dv;
+      const int64_t at = which == 0 ? 0 : int64_t(p.lk) * p.d;  // dV after dK in each part
+      T* out = static_cast<T*>(which == 0 ? g.dk : g.dv) + head * p.lk * cols;
+      const float factor = which == 0 ? dk_factor : 1.f;
+      for (int64_t x = r0 * cols; x < r1 * cols; ++x) {
+        float sum = 0.f;
+        for (int sp = 0; sp < splits; ++sp) sum += parts[(head * splits + sp) * kv_floats + at + x];
+        out[x] = from_float<T>(sum * factor);
+      }
+    }
+  }
+}
+
 // The backward of one (batch, kv head) row by row (top-k's gathered keys): every query row of its
 // group, through `keys(b, h, i, f)` calling f(j) for each key j row i sees.
+// (An item of bwd_work_items: the rows r = head * Lq + i of the group with r % splits == split.)
 template <typename T, typename Keys>
 void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys, std::vector<float>& kf,
-                        std::vector<float>& vf, std::vector<float>& dk, std::vector<float>& dv) {
+                        std::vector<float>& vf, std::vector<float>& dk, std::vector<float>& dv, int split,
+                        int splits, float* dk_part, float* dv_part) {
   const AttnFwdParams& p = g.fwd;
   const int D = p.d, Dv = p.dv;
   for (int j = 0; j < p.lk; ++j) {
@@ -982,8 +1036,9 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
   std::fill(dk.begin(), dk.end(), 0.f);
   std::fill(dv.begin(), dv.end(), 0.f);
   std::vector<float> q(D), dq(D), o(Dv), dout(Dv);
-  for (int h = hk * p.h_per_kv; h < (hk + 1) * p.h_per_kv; ++h) {
-    for (int i = 0; i < p.lq; ++i) {
+  for (int64_t r = split; r < int64_t(p.h_per_kv) * p.lq; r += splits) {
+    {
+      const int h = hk * p.h_per_kv + int(r / p.lq), i = int(r % p.lq);
       const int64_t row = (int64_t(b) * p.h + h) * p.lq + i;
       const float lse = p.lse[row];
       std::fill(dq.begin(), dq.end(), 0.f);
@@ -1009,6 +1064,11 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
       });
       for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(dq[c]);
     }
+  }
+  if (dk_part != nullptr) {
+    std::copy(dk.begin(), dk.end(), dk_part);
+    std::copy(dv.begin(), dv.end(), dv_part);
+    return;
   }
   T* dk_out = static_cast<T*>(g.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * D;
   T* dv_out = static_cast<T*>(g.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * Dv;
@@ -1178,27 +1238,12 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
   for (int64_t x = 0; x < int64_t(p.lk) * Dv; ++x) dv_out[x] = from_float<T>(w.dv[x]);
 }
 
-// Splits of each (batch, kv head)'s query tiles: 1 when the (batch, kv head)s keep every thread busy;
-// else enough for the threads (MQA, GQA and single sequences on many cores), their dK and dV partials
-// at most 256 MiB. A function of the shape and the thread count only: the same run to run.
-inline int bwd_splits(const AttnFwdParams& p, int threads) {
-  const int64_t work = int64_t(p.b) * p.h_kv, pairs = int64_t(p.h_per_kv) * ((p.lq + kBlockM - 1) / kBlockM);
-  if (work >= threads || pairs < 2) return 1;
-  const int64_t per_split = work * p.lk * int64_t(p.d + p.dv) * 4;
-  const int64_t by_memory = std::max<int64_t>(1, (int64_t(256) << 20) / std::max<int64_t>(per_split, 1));
-  return int(std::min({(threads + work - 1) / work, pairs, by_memory}));
-}
-
 template <typename T, typename Tiles>
 void attention_bwd_tiled(const AttnBwdParams& g, const TileGemm& gm) {
   const AttnFwdParams& p = g.fwd;
-  const int64_t heads = int64_t(p.b) * p.h_kv;
-  const int splits = bwd_splits(p, omp_get_max_threads());
-  const int64_t work = heads * splits, kv_floats = int64_t(p.lk) * (p.d + p.dv);
-  ScratchVector<float> parts(splits > 1 ? work * kv_floats : 0);  // per item: dK then dV, fp32
   const int64_t keys = int64_t((p.lk + kBlockN - 1) / kBlockN) * kBlockN;
-#pragma omp parallel
-  {
+  const bool amx = std::is_same_v<T, bf16_t> && gm.bf16 != nullptr;
+  auto make = [&] {
     BwdHeadBuffers w;
     w.kf.resize(int64_t(p.lk) * p.d);
     w.vf.resize(int64_t(p.lk) * p.dv);
@@ -1213,52 +1258,43 @@ void attention_bwd_tiled(const AttnBwdParams& g, const TileGemm& gm) {
     w.dp.resize(kBlockM * kBlockN);
     w.dq.resize(kBlockM * p.d);
     w.st.resize(kBlockN * kBlockM);
-    if (std::is_same_v<T, bf16_t> && gm.bf16 != nullptr) {
+    if (amx) {
       w.kT16.resize(keys * p.d);
       w.vT16.resize(keys * p.dv);
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t x = 0; x < work; ++x) {
-      const int64_t head = x / splits;
-      float* part = splits > 1 ? parts.data() + x * kv_floats : nullptr;
-      attention_bwd_head_tiled<T, Tiles>(g, gm, int(head / p.h_kv), int(head % p.h_kv), w, int(x % splits),
-                                         splits, part,
-                                         part != nullptr ? part + int64_t(p.lk) * p.d : nullptr);
-    }
-    if (std::is_same_v<T, bf16_t> && gm.bf16 != nullptr) gm.release_bf16();
-  }
-  if (splits == 1) return;
-  // dK, dV: the splits' partials summed in split order (the same sums run to run), by key rows.
-  const int64_t rows_per_chunk = 64, chunks = (p.lk + rows_per_chunk - 1) / rows_per_chunk;
-#pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < heads * chunks; ++c) {
-    const int64_t head = c / chunks, r0 = (c % chunks) * rows_per_chunk,
-                  r1 = std::min<int64_t>(p.lk, r0 + rows_per_chunk);
-    for (int which = 0; which < 2; ++which) {
-      const int cols = which == 0 ? p.d : p.dv;
-      const int64_t at = which == 0 ? 0 : int64_t(p.lk) * p.d;  // dV after dK in each part
-      T* out = static_cast<T*>(which == 0 ? g.dk : g.dv) + head * p.lk * cols;
-      const float factor = which == 0 ? p.scale : 1.f;
-      for (int64_t x = r0 * cols; x < r1 * cols; ++x) {
-        float sum = 0.f;
-        for (int sp = 0; sp < splits; ++sp) sum += parts[(head * splits + sp) * kv_floats + at + x];
-        out[x] = from_float<T>(sum * factor);
-      }
-    }
-  }
+    return w;
+  };
+  const int pairs = p.h_per_kv * ((p.lq + kBlockM - 1) / kBlockM);
+  bwd_work_items<T>(
+      g, pairs, p.scale, make,
+      [&](BwdHeadBuffers& w, int b, int hk, int split, int splits, float* dk_part, float* dv_part) {
+        attention_bwd_head_tiled<T, Tiles>(g, gm, b, hk, w, split, splits, dk_part, dv_part);
+      },
+      [&](BwdHeadBuffers&) {
+        if (amx) gm.release_bf16();
+      });
 }
 
 template <typename T, typename Keys>
 void attention_bwd(const AttnBwdParams& g, const Keys& keys) {
   const AttnFwdParams& p = g.fwd;
-  const int64_t work = int64_t(p.b) * p.h_kv;
-#pragma omp parallel
-  {
-    std::vector<float> kf(int64_t(p.lk) * p.d), vf(int64_t(p.lk) * p.dv), dk(kf.size()), dv(vf.size());
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < work; ++w)
-      attention_bwd_head<T>(g, int(w / p.h_kv), int(w % p.h_kv), keys, kf, vf, dk, dv);
-  }
+  struct State {
+    std::vector<float> kf, vf, dk, dv;
+  };
+  auto make = [&]() -> State {
+    State st;
+    st.kf.resize(int64_t(p.lk) * p.d);
+    st.vf.resize(int64_t(p.lk) * p.dv);
+    st.dk.resize(st.kf.size());
+    st.dv.resize(st.vf.size());
+    return st;
+  };
+  bwd_work_items<T>(
+      g, int64_t(p.h_per_kv) * p.lq, 1.f, make,
+      [&](State& st, int b, int hk, int split, int splits, float* dk_part, float* dv_part) {
+        attention_bwd_head<T>(g, b, hk, keys, st.kf, st.vf, st.dk, st.dv, split, splits, dk_part, dv_part);
+      },
+      [](State&) {});
 }
 
 // ---------------------------------------------------------------------------------------------
