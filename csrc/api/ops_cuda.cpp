@@ -335,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
       bp.kv_heavy = nullptr;
     }
     // Causal-type windows: CTAs in head groups, heaviest key blocks first (bwd_tile_of_cta); a
-    // group's Q and dO about 16 MiB, a share of L2.
+    // group's Q and dO (16-bit, the tensor-core kernels') about 16 MiB, a share of L2.
     bp.head_group = 0;
     if (variant == Variant::kWindow && bp.fwd.window_left < 0 && bp.fwd.window_right >= 0) {
       const int64_t bytes = std::max<int64_t>(1, s.lq * (s.d + s.dv) * 2 * (s.h / s.h_kv));

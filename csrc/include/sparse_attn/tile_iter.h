@@ -304,8 +304,8 @@ struct WindowQTiles {
   int heads, lk, left, right, off, n0;
   int m_begin, m_end;  // query tiles [m_begin, m_end) of every head
   // Each head's walk starts at m_first and wraps around: key tile n_block starts n_block tiles
-  // in, so the CTAs of one head, which run together, add into different dQ tiles (all starting
-  // at m_begin made their reductions collide on one tile's addresses).
+  // in, so the CTAs of one head, which run together, add into different dQ tiles (starting at
+  // m_begin, all of them would add into the same tile at once).
   int m_first;
 
   SA_HD WindowQTiles(const AttnBwdParams& bp, int /*bidb*/, int /*hk*/, int n_block)
