@@ -1037,33 +1037,31 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
   std::fill(dv.begin(), dv.end(), 0.f);
   std::vector<float> q(D), dq(D), o(Dv), dout(Dv);
   for (int64_t r = split; r < int64_t(p.h_per_kv) * p.lq; r += splits) {
-    {
-      const int h = hk * p.h_per_kv + int(r / p.lq), i = int(r % p.lq);
-      const int64_t row = (int64_t(b) * p.h + h) * p.lq + i;
-      const float lse = p.lse[row];
-      std::fill(dq.begin(), dq.end(), 0.f);
-      T* dq_out = static_cast<T*>(g.dq) + row * D;
-      if (lse == kNegInf) {  // the row saw no key: no gradient
-        for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(0.f);
-        continue;
-      }
-      load_row(q_row<T>(p, b, h, i), D, q.data());
-      load_row(o_row<T>(p, b, h, i), Dv, o.data());
-      load_row(
-          static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride + i * g.do_row_stride,
-          Dv, dout.data());
-      const float d_row = dot(dout.data(), o.data(), Dv) - (g.dlse != nullptr ? g.dlse[row] : 0.f);
-      keys(b, h, i, [&](int j) {
-        const float* kj = &kf[int64_t(j) * D];
-        const float* vj = &vf[int64_t(j) * Dv];
-        const float pj = std::exp(p.scale * dot(q.data(), kj, D) - lse);
-        axpy(pj, dout.data(), &dv[int64_t(j) * Dv], Dv);
-        const float ds = pj * (dot(dout.data(), vj, Dv) - d_row) * p.scale;
-        axpy(ds, kj, dq.data(), D);
-        axpy(ds, q.data(), &dk[int64_t(j) * D], D);
-      });
-      for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(dq[c]);
+    const int h = hk * p.h_per_kv + int(r / p.lq), i = int(r % p.lq);
+    const int64_t row = (int64_t(b) * p.h + h) * p.lq + i;
+    const float lse = p.lse[row];
+    std::fill(dq.begin(), dq.end(), 0.f);
+    T* dq_out = static_cast<T*>(g.dq) + row * D;
+    if (lse == kNegInf) {  // the row saw no key: no gradient
+      for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(0.f);
+      continue;
     }
+    load_row(q_row<T>(p, b, h, i), D, q.data());
+    load_row(o_row<T>(p, b, h, i), Dv, o.data());
+    load_row(
+        static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride + i * g.do_row_stride,
+        Dv, dout.data());
+    const float d_row = dot(dout.data(), o.data(), Dv) - (g.dlse != nullptr ? g.dlse[row] : 0.f);
+    keys(b, h, i, [&](int j) {
+      const float* kj = &kf[int64_t(j) * D];
+      const float* vj = &vf[int64_t(j) * Dv];
+      const float pj = std::exp(p.scale * dot(q.data(), kj, D) - lse);
+      axpy(pj, dout.data(), &dv[int64_t(j) * Dv], Dv);
+      const float ds = pj * (dot(dout.data(), vj, Dv) - d_row) * p.scale;
+      axpy(ds, kj, dq.data(), D);
+      axpy(ds, q.data(), &dk[int64_t(j) * D], D);
+    });
+    for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(dq[c]);
   }
   if (dk_part != nullptr) {
     std::copy(dk.begin(), dk.end(), dk_part);
@@ -1161,70 +1159,69 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
   const int num_m = (p.lq + kBlockM - 1) / kBlockM;
   float lse2[kBlockM], delta[kBlockM];
   uint64_t visible[kBlockM];
+  // (interleaved pairs: under a causal mask every split gets early and late query tiles)
   for (int i = split; i < p.h_per_kv * num_m; i += splits) {
-    {  // (interleaved pairs: under a causal mask every split gets early and late query tiles)
-      const int h = hk * p.h_per_kv + i / num_m, m_block = i % num_m;
-      const int m0 = m_block * kBlockM, rows = std::min(kBlockM, p.lq - m0);
-      for (int r = 0; r < rows; ++r) {
-        const int64_t row = (int64_t(b) * p.h + h) * p.lq + m0 + r;
-        load_row(q_row<T>(p, b, h, m0 + r), D, &w.qf[r * D]);
-        load_row(static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride +
-                     int64_t(m0 + r) * g.do_row_stride,
-                 Dv, &w.dof[r * Dv]);
-        load_row(o_row<T>(p, b, h, m0 + r), Dv, w.o.data());
-        delta[r] = dot(&w.dof[r * Dv], w.o.data(), Dv) - (g.dlse != nullptr ? g.dlse[row] : 0.f);
-        const float lse = p.lse[row];  // -inf (no key seen): +inf in log2 units, so every P is 0
-        lse2[r] = lse == kNegInf ? std::numeric_limits<float>::infinity() : lse * float(M_LOG2E);
+    const int h = hk * p.h_per_kv + i / num_m, m_block = i % num_m;
+    const int m0 = m_block * kBlockM, rows = std::min(kBlockM, p.lq - m0);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t row = (int64_t(b) * p.h + h) * p.lq + m0 + r;
+      load_row(q_row<T>(p, b, h, m0 + r), D, &w.qf[r * D]);
+      load_row(static_cast<const T*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride +
+                   int64_t(m0 + r) * g.do_row_stride,
+               Dv, &w.dof[r * Dv]);
+      load_row(o_row<T>(p, b, h, m0 + r), Dv, w.o.data());
+      delta[r] = dot(&w.dof[r * Dv], w.o.data(), Dv) - (g.dlse != nullptr ? g.dlse[row] : 0.f);
+      const float lse = p.lse[row];  // -inf (no key seen): +inf in log2 units, so every P is 0
+      lse2[r] = lse == kNegInf ? std::numeric_limits<float>::infinity() : lse * float(M_LOG2E);
+    }
+    std::fill(w.dq.begin(), w.dq.end(), 0.f);
+    const bool q_finite = all_finite(w.qf.data(), int64_t(rows) * D);
+    const bool do_finite = all_finite(w.dof.data(), int64_t(rows) * Dv);
+    const Tiles tiles(p, b, h, m_block);
+    for (int it = 0; it < tiles.num_tiles(); ++it) {
+      const int nb = tiles.n_block(it), n0 = nb * N, cols = std::min(N, p.lk - n0);
+      if (cols <= 0) continue;
+      if (amx) {
+        if constexpr (std::is_same_v<T, bf16_t>) {
+          const bf16_t* dout = static_cast<const bf16_t*>(g.dout) + b * g.do_batch_stride +
+                               h * g.do_head_stride + int64_t(m0) * g.do_row_stride;
+          gm.bf16(rows, N, D, p.q_row_stride, N, N, false, q_row<T>(p, b, h, m0),
+                  &w.kT16[int64_t(nb) * D * N], w.s.data());
+          gm.bf16(rows, N, Dv, g.do_row_stride, N, N, false, dout, &w.vT16[int64_t(nb) * Dv * N],
+                  w.dp.data());
+        }
+      } else {
+        gm.f32(rows, N, D, D, N, N, false, w.qf.data(), &w.kT[int64_t(nb) * D * N], w.s.data());
+        gm.f32(rows, N, Dv, Dv, N, N, false, w.dof.data(), &w.vT[int64_t(nb) * Dv * N], w.dp.data());
       }
-      std::fill(w.dq.begin(), w.dq.end(), 0.f);
-      const bool q_finite = all_finite(w.qf.data(), int64_t(rows) * D);
-      const bool do_finite = all_finite(w.dof.data(), int64_t(rows) * Dv);
-      const Tiles tiles(p, b, h, m_block);
-      for (int it = 0; it < tiles.num_tiles(); ++it) {
-        const int nb = tiles.n_block(it), n0 = nb * N, cols = std::min(N, p.lk - n0);
-        if (cols <= 0) continue;
-        if (amx) {
-          if constexpr (std::is_same_v<T, bf16_t>) {
-            const bf16_t* dout = static_cast<const bf16_t*>(g.dout) + b * g.do_batch_stride +
-                                 h * g.do_head_stride + int64_t(m0) * g.do_row_stride;
-            gm.bf16(rows, N, D, p.q_row_stride, N, N, false, q_row<T>(p, b, h, m0),
-                    &w.kT16[int64_t(nb) * D * N], w.s.data());
-            gm.bf16(rows, N, Dv, g.do_row_stride, N, N, false, dout, &w.vT16[int64_t(nb) * Dv * N],
-                    w.dp.data());
-          }
-        } else {
-          gm.f32(rows, N, D, D, N, N, false, w.qf.data(), &w.kT[int64_t(nb) * D * N], w.s.data());
-          gm.f32(rows, N, Dv, Dv, N, N, false, w.dof.data(), &w.vT[int64_t(nb) * Dv * N], w.dp.data());
-        }
-        const bool need_mask = tiles.tile_needs_mask(it);
-        if (need_mask)
-          for (int r = 0; r < rows; ++r) visible[r] = tiles.visible_bits(it, m0 + r);
-        bwd_p_ds_tile(w.s.data(), w.dp.data(), rows, cols, p.scale_log2, need_mask ? visible : nullptr, lse2,
-                      delta);
-        // The products where their operands are finite; otherwise the guarded ones, whose zero P
-        // or dS (a hidden key) adds exactly 0 even against a NaN.
-        if (do_finite) {  // dV += P^T dO
-          transpose_tile(w.s.data(), rows, w.st.data());
-          gm.f32(cols, Dv, rows, kBlockM, Dv, Dv, true, w.st.data(), w.dof.data(), &w.dv[int64_t(n0) * Dv]);
-        } else {
-          ptv_tile(w.s.data(), w.dof.data(), rows, cols, Dv, &w.dv[int64_t(n0) * Dv], false);
-        }
-        if (q_finite) {  // dK += dS^T Q
-          transpose_tile(w.dp.data(), rows, w.st.data());
-          gm.f32(cols, D, rows, kBlockM, D, D, true, w.st.data(), w.qf.data(), &w.dk[int64_t(n0) * D]);
-        } else {
-          ptv_tile(w.dp.data(), w.qf.data(), rows, cols, D, &w.dk[int64_t(n0) * D], false);
-        }
-        if (k_finite) {  // dQ += dS K
-          gm.f32(rows, D, cols, N, D, D, true, w.dp.data(), &w.kf[int64_t(n0) * D], w.dq.data());
-        } else {
-          pv_tile(w.dp.data(), &w.kf[int64_t(n0) * D], rows, cols, D, w.dq.data(), false);
-        }
+      const bool need_mask = tiles.tile_needs_mask(it);
+      if (need_mask)
+        for (int r = 0; r < rows; ++r) visible[r] = tiles.visible_bits(it, m0 + r);
+      bwd_p_ds_tile(w.s.data(), w.dp.data(), rows, cols, p.scale_log2, need_mask ? visible : nullptr, lse2,
+                    delta);
+      // The products where their operands are finite; otherwise the guarded ones, whose zero P
+      // or dS (a hidden key) adds exactly 0 even against a NaN.
+      if (do_finite) {  // dV += P^T dO
+        transpose_tile(w.s.data(), rows, w.st.data());
+        gm.f32(cols, Dv, rows, kBlockM, Dv, Dv, true, w.st.data(), w.dof.data(), &w.dv[int64_t(n0) * Dv]);
+      } else {
+        ptv_tile(w.s.data(), w.dof.data(), rows, cols, Dv, &w.dv[int64_t(n0) * Dv], false);
       }
-      for (int r = 0; r < rows; ++r) {
-        T* dq_out = static_cast<T*>(g.dq) + ((int64_t(b) * p.h + h) * p.lq + m0 + r) * D;
-        for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(w.dq[r * D + c] * p.scale);
+      if (q_finite) {  // dK += dS^T Q
+        transpose_tile(w.dp.data(), rows, w.st.data());
+        gm.f32(cols, D, rows, kBlockM, D, D, true, w.st.data(), w.qf.data(), &w.dk[int64_t(n0) * D]);
+      } else {
+        ptv_tile(w.dp.data(), w.qf.data(), rows, cols, D, &w.dk[int64_t(n0) * D], false);
       }
+      if (k_finite) {  // dQ += dS K
+        gm.f32(rows, D, cols, N, D, D, true, w.dp.data(), &w.kf[int64_t(n0) * D], w.dq.data());
+      } else {
+        pv_tile(w.dp.data(), &w.kf[int64_t(n0) * D], rows, cols, D, w.dq.data(), false);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      T* dq_out = static_cast<T*>(g.dq) + ((int64_t(b) * p.h + h) * p.lq + m0 + r) * D;
+      for (int c = 0; c < D; ++c) dq_out[c] = from_float<T>(w.dq[r * D + c] * p.scale);
     }
   }
   if (dk_part != nullptr) {
