@@ -1083,7 +1083,24 @@ void attention_bwd_head(const AttnBwdParams& g, int b, int hk, const Keys& keys,
 struct BwdHeadBuffers {
   AlignedVector<float> kf, vf, kT, vT, dk, dv, qf, dof, o, s, dp, dq, st;
   AlignedVector<bf16_t> kT16, vT16;  // bf16 inputs on the matrix unit: K^T, V^T per key tile, VNNI pairs
+  // ... and K, the query tile's Q and dO as row pairs (the B operands of dQ, dK, dV), the A operand
+  AlignedVector<bf16_t> kp16, qp16, dop16, a16;
 };
+
+// m (rows x cols of bf16, row stride ld) as the matrix unit's B operand of rows_pad rows, zero past
+// rows: element (r, c) at out[(r / 2) * 2 * cols + 2 * c + r % 2].
+inline void pack_row_pairs(const bf16_t* m, int64_t ld, int rows, int rows_pad, int cols, bf16_t* out) {
+  const bf16_t zero{0};
+  for (int r = 0; r < rows_pad; r += 2) {
+    const bf16_t* r0 = r < rows ? m + int64_t(r) * ld : nullptr;
+    const bf16_t* r1 = r + 1 < rows ? m + int64_t(r + 1) * ld : nullptr;
+    bf16_t* o = out + int64_t(r) * cols;
+    for (int c = 0; c < cols; ++c) {
+      o[2 * c] = r0 != nullptr ? r0[c] : zero;
+      o[2 * c + 1] = r1 != nullptr ? r1[c] : zero;
+    }
+  }
+}
 
 // t (kBlockN x kBlockM) = the first `rows` rows of x (kBlockM x kBlockN) transposed, zeros after: the
 // A operand of the key-side products P^T dO and dS^T Q (the products take no transpose flag).
@@ -1128,9 +1145,9 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
                               int split, int splits, float* dk_part, float* dv_part) {
   const AttnFwdParams& p = g.fwd;
   const int D = p.d, Dv = p.dv, N = kBlockN;
-  // S = Q K^T and dP = dO V^T of bf16 inputs on the matrix unit (exact products, fp32 sums, as the
-  // fp32 path up to the order of the sums); the other three products stay fp32 (K's rows in fp32
-  // for dQ += dS K; V's only for the fp32 dP).
+  // bf16 inputs on the matrix unit: S = Q K^T and dP = dO V^T (exact products, fp32 sums, as the
+  // fp32 path up to the order of the sums), and dV += P^T dO, dK += dS^T Q, dQ += dS K with P and dS
+  // rounded to bf16 (as the GPU kernels); fp32 K rows stay for the guarded dQ of non-finite K.
   bool amx = false;
   if constexpr (std::is_same_v<T, bf16_t>) amx = gm.bf16 != nullptr && D % 16 == 0 && Dv % 16 == 0;
   for (int j = 0; j < p.lk; ++j) {
@@ -1153,6 +1170,9 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
     transpose_words(&w.vf[int64_t(t) * N * Dv], 4 * Dv, cols, Dv,
                     reinterpret_cast<uint32_t*>(&w.vT[int64_t(t) * Dv * N]), N);
   }
+  if constexpr (std::is_same_v<T, bf16_t>)
+    if (amx)
+      pack_row_pairs(k_row<T>(p, b, hk, 0), p.k_row_stride, p.lk, int(w.kp16.size() / D), D, w.kp16.data());
   std::fill(w.dk.begin(), w.dk.end(), 0.f);
   std::fill(w.dv.begin(), w.dv.end(), 0.f);
   const bool k_finite = all_finite(w.kf.data(), int64_t(p.lk) * D);
@@ -1177,6 +1197,14 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
     std::fill(w.dq.begin(), w.dq.end(), 0.f);
     const bool q_finite = all_finite(w.qf.data(), int64_t(rows) * D);
     const bool do_finite = all_finite(w.dof.data(), int64_t(rows) * Dv);
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      if (amx) {
+        pack_row_pairs(q_row<T>(p, b, h, m0), p.q_row_stride, rows, kBlockM, D, w.qp16.data());
+        pack_row_pairs(static_cast<const bf16_t*>(g.dout) + b * g.do_batch_stride + h * g.do_head_stride +
+                           int64_t(m0) * g.do_row_stride,
+                       g.do_row_stride, rows, kBlockM, Dv, w.dop16.data());
+      }
+    }
     const Tiles tiles(p, b, h, m_block);
     for (int it = 0; it < tiles.num_tiles(); ++it) {
       const int nb = tiles.n_block(it), n0 = nb * N, cols = std::min(N, p.lk - n0);
@@ -1201,6 +1229,18 @@ void attention_bwd_head_tiled(const AttnBwdParams& g, const TileGemm& gm, int b,
                     delta);
       // The products where their operands are finite; otherwise the guarded ones, whose zero P
       // or dS (a hidden key) adds exactly 0 even against a NaN.
+      if (amx && do_finite && q_finite && k_finite) {
+        transpose_tile(w.s.data(), rows, w.st.data());  // dV += P^T dO
+        scale_to_bf16(w.st.data(), 1.f, N * kBlockM, w.a16.data());
+        gm.bf16(cols, Dv, kBlockM, kBlockM, Dv, Dv, true, w.a16.data(), w.dop16.data(),
+                &w.dv[int64_t(n0) * Dv]);
+        transpose_tile(w.dp.data(), rows, w.st.data());  // dK += dS^T Q
+        scale_to_bf16(w.st.data(), 1.f, N * kBlockM, w.a16.data());
+        gm.bf16(cols, D, kBlockM, kBlockM, D, D, true, w.a16.data(), w.qp16.data(), &w.dk[int64_t(n0) * D]);
+        scale_to_bf16(w.dp.data(), 1.f, rows * N, w.a16.data());  // dQ += dS K
+        gm.bf16(rows, D, N, N, D, D, true, w.a16.data(), &w.kp16[int64_t(n0) * D], w.dq.data());
+        continue;
+      }
       if (do_finite) {  // dV += P^T dO
         transpose_tile(w.s.data(), rows, w.st.data());
         gm.f32(cols, Dv, rows, kBlockM, Dv, Dv, true, w.st.data(), w.dof.data(), &w.dv[int64_t(n0) * Dv]);
@@ -1258,6 +1298,10 @@ void attention_bwd_tiled(const AttnBwdParams& g, const TileGemm& gm) {
     if (amx) {
       w.kT16.resize(keys * p.d);
       w.vT16.resize(keys * p.dv);
+      w.kp16.resize(keys * p.d);
+      w.qp16.resize(kBlockM * p.d);
+      w.dop16.resize(kBlockM * p.dv);
+      w.a16.resize(kBlockN * kBlockM);
     }
     return w;
   };
