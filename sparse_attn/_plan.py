@@ -245,6 +245,11 @@ def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target) ->
     if "gather_bwd" in kernels:
         return f"{kernels} (CUDA tensor-core kernel: a token's heads per warp, dK and dV summed in fp32 with atomics)"
     if torch.are_deterministic_algorithms_enabled():
+        if cc == 90 and kernels == "flash_bwd":
+            return (
+                f"{kernels} (deterministic: the Hopper kernel adds each query tile's dQ in ascending key-tile "
+                "order, each CTA waiting for the one before it)"
+            )
         return (
             f"{kernels} (deterministic: the {'Hopper' if cc == 90 else 'portable mma.sync'} kernel computes dK "
             "and dV, then dQ in a kernel of its own, without atomics)"

@@ -6,7 +6,7 @@ under torch.use_deterministic_algorithms); compiled training steps equal eager o
 
 import pytest
 import torch
-from utils import check_close, make_qkv
+from utils import band_mask, check_close, make_qkv
 
 import sparse_attn
 from sparse_attn import patterns, reference
@@ -295,7 +295,8 @@ def test_compiled_training_step_equals_eager(device):
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_deterministic_mode_is_bitwise_repeatable(d, portable):
     """Under torch.use_deterministic_algorithms(True) flash and block-sparse gradients are
-    bit-identical over 100 runs (dQ from its own kernel, no atomics) and agree with the default
+    bit-identical over 100 runs (flash's dQ reductions in a fixed order on Hopper, elsewhere dQ from
+    its own kernel with no atomics) and agree with the default
     path's; top-k runs through the block kernel there (repeatable too), and its gather route, whose
     dK and dV are summed with atomics, raises PyTorch's error."""
     q, k, v = make_qkv(2, 8, 2, 700, 700, d, device="cuda", seed=4)
@@ -374,6 +375,45 @@ def test_cuda_causal_backward_over_head_groups_and_long_walks(portable):
         for what, a, b in zip(("dq", "dk", "dv"), ours, gold, strict=True):
             assert torch.isfinite(a).all(), what
             torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=lambda m, w=what: f"{w}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_ordered_dq_over_the_dense_family(d):
+    """The deterministic mode's ordered dQ reductions (Hopper; elsewhere the dQ kernel): causal,
+    bands with either bound or both, dense rows, Lq != Lk either way (rows with no key), GQA 8:1
+    walked head-innermost, and more CTAs than SMs (4k keys x 16 (batch, kv head)s): gradients
+    against fp32 autograd of the reference on the GPU, and bit-identical over three runs."""
+    cases = (
+        (2, 24, 3, 2048, 2048, {"causal": True}),
+        (2, 24, 3, 1900, 2048, {"causal": True}),
+        (1, 8, 2, 1500, 1000, {"causal": True}),
+        (2, 8, 2, 2048, 1900, {"window": (300, 50)}),
+        (1, 8, 8, 777, 1333, {"window": (None, 200)}),
+        (1, 8, 8, 1333, 777, {"window": (0, None)}),
+        (2, 8, 8, 4096, 4096, {}),
+    )
+    torch.use_deterministic_algorithms(True)
+    try:
+        for b, h, hkv, lq, lk, kw in cases:
+            q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=torch.bfloat16, seed=lq + lk, device="cuda")
+            g = torch.randn(b, h, lq, d, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+            fn = lambda a, b_, c, kw=kw: sparse_attn.flash_attention(a, b_, c, return_lse=True, **kw)  # noqa: E731
+            first = _grads(fn, q, k, v, g)
+            for _ in range(2):
+                for a, again in zip(first, _grads(fn, q, k, v, g), strict=True):
+                    assert torch.equal(a, again), kw
+            mask = band_mask(lq, lk, kw.get("causal", False), kw.get("window")).cuda()
+            gold = _grads(
+                lambda a, b_, c, m=mask: reference.attention(a, b_, c, mask=m, dtype=torch.float32), q, k, v, g
+            )
+            for what, a, ref in zip(("dq", "dk", "dv"), first, gold, strict=True):
+                assert torch.isfinite(a).all(), (what, kw)
+                torch.testing.assert_close(
+                    a.float(), ref.float(), atol=2e-2, rtol=2e-2, msg=lambda m, w=what, kw=kw: f"{w} {kw}: {m}"
+                )
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_gradcheck_fp32():

@@ -161,6 +161,17 @@ def test_cpu_plans():
     assert gpu.backward.startswith("flash_bwd (CUDA Hopper kernel")
     sm80 = sparse_attn.explain(sparse_attn.flash_attention, *half, causal=True, target="sm80")
     assert sm80.backward.startswith("flash_bwd (CUDA portable mma.sync kernel")
+    mask = patterns.random_blocks(1024, 0.3, seed=0, block_size=128)
+    torch.use_deterministic_algorithms(True)
+    try:  # the dense family's dQ in a fixed order on Hopper; block-sparse masks' dQ in its own kernel
+        ordered = sparse_attn.explain(sparse_attn.flash_attention, *half, causal=True, target="sm90")
+        assert "ascending key-tile order" in ordered.backward
+        separate = sparse_attn.explain(sparse_attn.block_sparse_attention, *half, mask, target="sm90")
+        assert "dQ in a kernel of its own" in separate.backward
+        portable = sparse_attn.explain(sparse_attn.flash_attention, *half, causal=True, target="sm80")
+        assert "dQ in a kernel of its own" in portable.backward
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.parametrize("d", [64, 128, 40, 96])

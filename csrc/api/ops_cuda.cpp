@@ -305,8 +305,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     c.t.dv.zero_();
     return {c.t.dq, c.t.dk, c.t.dv};
   }
-  // Deterministic mode: the tensor-core paths of flash and block-sparse attention compute dQ in a
-  // kernel of its own, without atomics; top-k and the CUDA-core kernel sum with atomics.
+  // Deterministic mode: the Hopper kernel adds the dense family's dQ in a fixed order
+  // (AttnBwdParams::dq_order); the other tensor-core paths of flash and block-sparse attention
+  // compute dQ in a kernel of its own, without atomics; top-k and the CUDA-core kernel sum with
+  // atomics.
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   if (deterministic && !(c.tensor_cores && !gather))
     at::globalContext().alertNotDeterministic(std::string(what) + " on CUDA with top-k, fp32 or D > 128");
@@ -327,9 +329,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     TORCH_CHECK(s.b * s.h_kv <= 65535, what, ": B * Hkv must be at most 65535, got ", s.b * s.h_kv);
     // The Hopper kernel where it was built and a block-sparse mask's key blocks are its 128-key tiles.
     const DeviceInfo dev = cuda_device_info(c.q.get_device());
-    // (Deterministic mode: the key-major kernel computes dK and dV only, attn_bwd_dq.cuh dQ.)
     const bool hopper = dev.cc == 90 && dev.sm90_kernels && dev.tma && !plan_options().portable_only &&
                         (variant == Variant::kWindow || bp.fwd.kv_block == 128);
+    // Deterministic mode: Hopper's dense family orders its dQ reductions; elsewhere the key-major
+    // kernel computes dK and dV only and attn_bwd_dq.cuh dQ.
+    const bool ordered = deterministic && hopper && variant == Variant::kWindow;
+    const bool separate = deterministic && !ordered;
     if (!hopper) {  // the portable kernel's 64-key tiles are not the mask's key blocks
       bp.kv_block_order = nullptr;
       bp.kv_heavy = nullptr;
@@ -341,15 +346,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
       const int64_t bytes = std::max<int64_t>(1, s.lq * (s.d + s.dv) * 2 * (s.h / s.h_kv));
       bp.head_group = int(std::clamp<int64_t>((int64_t(16) << 20) / bytes, 1, s.b * s.h_kv));
     }
+    // Ordered reductions: key tile n of a head waits for n - 1 at every query tile, so the CTAs of a
+    // head that start together start n turns apart. Key block by key block over groups of heads, a
+    // wave holds a few key tiles of each; a group's Q and dO (per kv head) about 32 MiB. (H100, B2
+    // H16: all heads in one group ran 1.5-1.8x the default at D = 128, L = 4k-16k; grid order
+    // 1.2-1.3x at 4k; this rule 1.0-1.14x from 4k; docs/PERF_LOG.md.)
+    if (ordered) {
+      const int64_t bytes = std::max<int64_t>(1, s.lq * (s.d + s.dv) * 2);
+      bp.head_group = int(std::clamp<int64_t>((int64_t(32) << 20) / bytes, 1, s.b * s.h_kv));
+    }
     // dQ in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the wgmma
     // fragments in order (j, warp, g, t, e), undone below; the portable kernel's dQ / scale as
     // (B, H, Lq, D).
     const int64_t col_blocks = padded_head_dim(s.d) / 64;
-    at::Tensor dq_accum = deterministic ? at::Tensor()
+    at::Tensor dq_accum = separate ? at::Tensor()
                           : hopper ? at::zeros({s.b, s.h, bp.lq_pad / 64, col_blocks, 8, 4, 8, 4, 2, 2}, f32)
                                    : at::zeros({s.b, s.h, s.lq, s.d}, f32);
-    bp.dq_accum = deterministic ? nullptr : dq_accum.data_ptr<float>();
-    bp.dq_separate = deterministic ? 1 : 0;
+    bp.dq_accum = separate ? nullptr : dq_accum.data_ptr<float>();
+    bp.dq_separate = separate ? 1 : 0;
+    at::Tensor dq_order =
+        ordered ? at::zeros({s.b * s.h * (bp.lq_pad / 64)}, c.q.options().dtype(at::kInt)) : at::Tensor();
+    bp.dq_order = ordered ? dq_order.data_ptr<int32_t>() : nullptr;
     check_launch(
         SA_HALF_DTYPE_SWITCH(
             bp.fwd.dtype, kDtype,
@@ -366,7 +383,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
               });
             }),
         what);
-    if (deterministic) {
+    if (separate) {
       check_launch(SA_HALF_DTYPE_SWITCH(
                        bp.fwd.dtype, kDtype,
                        [&] {

@@ -100,6 +100,11 @@ struct AttnBwdParams {
   // Deterministic mode: dQ comes from its own kernel (attn_bwd_dq.cuh, no atomics) and the key-major
   // kernel (Hopper's or the portable one) computes dK and dV only.
   int dq_separate;
+  // Deterministic mode of the Hopper kernel for the dense family (window variant): per
+  // (batch * H + head, 64-row query tile) of dq_accum, zeroed, the number of key tiles that have
+  // added into that tile; each adds when the count equals its rank, so every element's fp32 sum runs
+  // in ascending key-tile order (OrderedWindowQTiles). nullptr: reductions in any order.
+  int32_t* __restrict__ dq_order;
   float* __restrict__ dk_accum;  // (B, Hkv, Lk, D) fp32, zeroed (CUDA-core kernel): dK, atomics
   float* __restrict__ dv_accum;  // (B, Hkv, Lk, Dv) fp32, zeroed (CUDA-core kernel): dV, atomics
   // Block-sparse: the mask transposed, per (batch, head, key block) the query blocks that visit

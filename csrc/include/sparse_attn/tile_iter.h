@@ -345,6 +345,36 @@ struct WindowQTiles {
   }
 };
 
+// The walk of the deterministic mode's ordered reductions (AttnBwdParams::dq_order): each head's
+// query tiles from the last down, with no rotation, the group's heads innermost, and rank(pos),
+// this key tile's place among the key tiles that add into query tile pos.m_block's dQ (they add in
+// ascending order). Key tile n - 1 reaches any (query tile, head) no later in its walk than key tile
+// n (its range ends no later; with the heads outermost, a causal mask's longer walks of n - 1 would
+// hold n back at every head after the first), and the grid runs it no later (bwd_tile_of_cta:
+// ascending key tiles per head), so a CTA only ever waits for one started before it; on a dense
+// mask the CTAs of a head settle about one tile apart.
+template <int kBlockM, int kBlockN>
+struct OrderedWindowQTiles : WindowQTiles<kBlockM, kBlockN> {
+  using Base = WindowQTiles<kBlockM, kBlockN>;
+  SA_HD OrderedWindowQTiles(const AttnBwdParams& bp, int bidb, int hk, int n_block)
+      : Base(bp, bidb, hk, n_block) {}
+
+  SA_HD bool start(QTilePos& s) const {
+    s = QTilePos{0, this->m_end - 1, -1, 0, 0, 0, 0};
+    return this->m_end > this->m_begin && this->heads > 0;
+  }
+  SA_HD bool advance(QTilePos& s) const {
+    if (++s.hl < this->heads) return true;
+    s.hl = 0;
+    return --s.m_block >= this->m_begin;
+  }
+  // The key tiles that see query tile m are [n_lo, n_hi), the forward's range (WindowTiles).
+  SA_HD int rank(const QTilePos& s) const {
+    const int64_t lo = this->left < 0 ? 0 : max64(0, int64_t(s.m_block) * kBlockM + this->off - this->left);
+    return this->n0 / kBlockN - int(lo / kBlockN);
+  }
+};
+
 // Block-sparse: the transposed lists (AttnBwdParams::q_num_blocks, ...); the key tile lies inside
 // one key block, each listed query block is q_block / kBlockM query tiles.
 template <int kBlockM, int kBlockN>

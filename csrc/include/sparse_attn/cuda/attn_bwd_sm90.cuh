@@ -35,10 +35,17 @@ struct AttnBwdSm90Args {
   CUtensorMap tma_q, tma_do, tma_k, tma_v;  // Q and dO: boxes of kBlockM rows; K and V: kBlockN
 };
 
-// kDq_: false computes dK and dV only (the deterministic mode, whose dQ has a kernel of its own).
-template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant_, bool kDq_>
+// How a CTA's dQ reaches the fp32 accumulator: kNone computes dK and dV only (block-sparse masks'
+// deterministic mode, whose dQ has a kernel of its own); kAtomic adds it by reductions in any order;
+// kOrdered (the dense family's deterministic mode) adds each query tile's in ascending key-tile
+// order (AttnBwdParams::dq_order, OrderedWindowQTiles).
+enum class DqMode { kNone, kAtomic, kOrdered };
+
+template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant_, DqMode kDqMode_>
 struct AttnBwdSm90Traits {
-  static constexpr bool kDq = kDq_;
+  static constexpr bool kDq = kDqMode_ != DqMode::kNone;
+  static constexpr bool kOrdered = kDqMode_ == DqMode::kOrdered;
+  static_assert(!kOrdered || kVariant_ == Variant::kWindow);
   static constexpr Variant kVariant = kVariant_;
   static constexpr ScalarKind kDtype = kDtype_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -62,7 +69,8 @@ struct AttnBwdSm90Traits {
   static_assert(kSmemBytes + 64 <= 227 * 1024);
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(128 * kProducerRegs + 2 * 128 * kConsumerRegs <= kNThreads * ((65536 / kNThreads) & ~7));
-  using QTiles = typename QTilesOf<kVariant, kBlockM, kBlockN>::type;
+  using QTiles = std::conditional_t<kOrdered, OrderedWindowQTiles<kBlockM, kBlockN>,
+                                    typename QTilesOf<kVariant, kBlockM, kBlockN>::type>;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
 };
 
@@ -82,8 +90,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint32_t sDs = sdO + kStages * Tr::kQBytes;
   const uint32_t sStat = sDs + 2 * Tr::kDsBytes;  // kStages x (lse_log2[64], delta[64])
   const float* stat_ptr = reinterpret_cast<const float*>(smem_raw + (sStat - smem_u32(smem_raw)));
-  __shared__ alignas(8) uint64_t barriers[1 + 2 * kStages];
+  // K/V loaded; per stage full and empty; ordered mode: per tile parity, dQ's turn has come ("go",
+  // from the sequencer) and the consumers' reductions are issued ("done", one arrival per warp)
+  __shared__ alignas(8) uint64_t barriers[1 + 2 * kStages + 4];
   const uint32_t bar_kv = smem_u32(barriers), bar_full = bar_kv + 8, bar_empty = bar_full + 8 * kStages;
+  const uint32_t bar_go = bar_empty + 8 * kStages, bar_done = bar_go + 16;
 
   int n_block, by;
   bwd_tile_of_cta(bp, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, n_block, by);
@@ -99,12 +110,52 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       mbar_init(bar_full + 8 * s, 1);
       mbar_init(bar_empty + 8 * s, 8);  // one arrival per consumer warp
     }
+    if constexpr (Tr::kOrdered) {
+      for (int s = 0; s < 2; ++s) {
+        mbar_init(bar_go + 8 * s, 1);
+        mbar_init(bar_done + 8 * s, 8);
+      }
+    }
     mbar_init_fence();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {  // ---------------- producer ----------------
     setmaxnreg_dec<Tr::kProducerRegs>();
+    if constexpr (Tr::kOrdered) {
+      // The sequencer (one thread of warp 1): per tile of the walk, once the consumers have issued
+      // the previous tile's reductions, release them (count + 1), then wait until the key tiles
+      // before this one have added into this tile's dQ and tell the consumers. The tile's count is
+      // read before the wait for the consumers (the release's fence makes that read an acquire), so
+      // its latency hides under it. A CTA that waits about a second (a grid run out of order) goes
+      // on: the sums stay exact, their order is lost.
+      if (threadIdx.x == 32 && any) {
+        const int64_t tiles_per_head = bp.lq_pad / kBlockM;
+        int* prev = nullptr;
+        QTilePos cur = first;
+        for (int n = 0;; ++n) {
+          int* count = bp.dq_order + (int64_t(b) * p.h + hk * p.h_per_kv + cur.hl) * tiles_per_head + cur.m_block;
+          const int rank = tiles.rank(cur);
+          int seen = 0;  // (a key tile of rank 0 waits for none)
+          if (n > 0) {
+            seen = ld_relaxed_gpu(count);  // used after the fence below
+            mbar_wait(bar_done + 8 * ((n - 1) % 2), ((n - 1) / 2) & 1);
+            release_increment_gpu(prev);
+          }
+          for (const long long t0 = clock64(); seen < rank && clock64() - t0 < (1ll << 31);) {
+            __nanosleep(32);
+            seen = ld_acquire_gpu(count);
+          }
+          mbar_arrive(bar_go + 8 * (n % 2));
+          prev = count;
+          if (!tiles.advance(cur)) {
+            mbar_wait(bar_done + 8 * (n % 2), (n / 2) & 1);
+            release_increment_gpu(prev);
+            break;
+          }
+        }
+      }
+    }
     if (threadIdx.x != 0 || !any) return;
     mbar_expect_tx(bar_kv, 2 * Tr::kKBytes);
 #pragma unroll
@@ -295,10 +346,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // head dim 64 and no faster at 128.)
       float* dst = bp.dq_accum + ((int64_t(b) * p.h + h) * (bp.lq_pad / kBlockM) + m_block) * kBlockM * kHeadDim +
                    wg * kBlockM * Tr::kDqCols + tid * 4;
+      if constexpr (Tr::kOrdered) mbar_wait(bar_go + 8 * (n % 2), (n / 2) & 1);  // this tile's turn
 #pragma unroll
       for (int j = 0; j < Tr::kDqCols / 8; ++j)  // scale * dQ: the glue only reorders and casts
         red_add_v4(dst + j * 512, dqa[4 * j] * p.scale, dqa[4 * j + 1] * p.scale, dqa[4 * j + 2] * p.scale,
                    dqa[4 * j + 3] * p.scale);
+      if constexpr (Tr::kOrdered) {  // the warp's reductions issued: the sequencer may release them
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_done + 8 * (n % 2));
+      }
     }
     wgmma_wait<0>();  // dK: P^T and dS^T's registers, Q and dO of stage s are free
     fence_regs(dk);
@@ -351,14 +407,24 @@ cudaError_t launch_attn_bwd_sm90(const AttnBwdParams& params, cudaStream_t strea
 }
 }  // namespace cuda
 
-// dq_separate (the deterministic mode): the instantiation without dQ.
+// The deterministic mode: dq_order (the dense family) orders the reductions, dq_separate (block-sparse
+// masks) takes the instantiation without dQ.
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_attn_bwd_sm90_(const AttnBwdParams& params, cudaStream_t stream) {
-  if (params.dq_separate)
-    return cuda::launch_attn_bwd_sm90<cuda::AttnBwdSm90Traits<kDtype, kHeadDim, kVariant, false>>(params,
-                                                                                                  stream);
-  return cuda::launch_attn_bwd_sm90<cuda::AttnBwdSm90Traits<kDtype, kHeadDim, kVariant, true>>(params,
-                                                                                               stream);
+  using cuda::AttnBwdSm90Traits, cuda::DqMode;
+  if constexpr (kVariant == Variant::kWindow) {
+    if (params.dq_separate) return cudaErrorInvalidValue;
+    if (params.dq_order != nullptr)
+      return cuda::launch_attn_bwd_sm90<AttnBwdSm90Traits<kDtype, kHeadDim, kVariant, DqMode::kOrdered>>(params,
+                                                                                                         stream);
+  } else {
+    if (params.dq_order != nullptr) return cudaErrorInvalidValue;
+    if (params.dq_separate)
+      return cuda::launch_attn_bwd_sm90<AttnBwdSm90Traits<kDtype, kHeadDim, kVariant, DqMode::kNone>>(params,
+                                                                                                      stream);
+  }
+  return cuda::launch_attn_bwd_sm90<AttnBwdSm90Traits<kDtype, kHeadDim, kVariant, DqMode::kAtomic>>(params,
+                                                                                                    stream);
 }
 
 }  // namespace sparse_attn

@@ -72,6 +72,25 @@ __device__ __forceinline__ void red_add_v4(float* dst, float a, float b, float c
   SA_SM90_ASM("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
               : "memory");
 }
+// The ordered reductions' counters (AttnBwdParams::dq_order): a load with acquire semantics at GPU
+// scope (what other CTAs released before it is visible after it), and an increment that releases
+// everything this CTA did before it (fence.acq_rel is cumulative: other threads' reductions that
+// an mbarrier ordered before this thread's fence are released with it).
+__device__ __forceinline__ int ld_acquire_gpu(const int* src) {
+  int v = 0;
+  SA_SM90_ASM("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(src) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_relaxed_gpu(const int* src) {  // acquires with a later fence.acq_rel
+  int v = 0;
+  SA_SM90_ASM("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(src) : "memory");
+  return v;
+}
+__device__ __forceinline__ void release_increment_gpu(int* dst) {
+  SA_SM90_ASM(
+      "fence.acq_rel.gpu;\n"
+      "red.relaxed.gpu.global.add.s32 [%0], 1;\n" ::"l"(dst) : "memory");
+}
 // Four 8x8 16-bit matrices from registers (mma.sync's fragment layout: lane l holds row l / 4,
 // columns 2 (l % 4) and 2 (l % 4) + 1 of each) to shared memory transposed: row i of matrix j
 // in memory is column i of the fragment, at the address lane 8 j + i gives.
