@@ -174,7 +174,10 @@ def block_topk_mask(query, key, k: int, block_size: int, causal: bool):
     chosen = torch.where(chosen < 0, nk, chosen).sort(-1).values
     chosen = torch.where(chosen == nk, -1, chosen).to(torch.int32)
     table = torch.full((b, h, nq, nk + 1), _NONE, dtype=torch.int32, device=query.device)
-    table.scatter_(-1, torch.where(chosen < 0, nk, chosen).long(), _FULL)
+    # (the value as an int32 tensor: torch 2.11's inductor folded a scalar-valued scatter into a
+    # constant to int64 when the selection was constant, one key block)
+    col = torch.where(chosen < 0, nk, chosen).long()
+    table.scatter_(-1, col, torch.full(col.shape, _FULL, dtype=torch.int32, device=query.device))
     table = table[..., :nk]
     if causal:
         pattern = _causal_pattern(lq, lk, block_size=block_size, device=query.device, compact=False)

@@ -340,7 +340,7 @@ class BlockSparseMask:
         pos = torch.where(on, arange, nk).sort(-1).values[..., :max_kv_blocks]
         live = pos < nk
         idx = torch.where(live, pos, 0)
-        part = torch.where(live, torch.gather(table, -1, idx.long()), _FULL)
+        part = torch.gather(table, -1, idx.long()).masked_fill(~live, _FULL)
         return cls(
             counts.contiguous(),
             idx.to(torch.int32).contiguous(),
