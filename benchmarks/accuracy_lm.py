@@ -34,6 +34,8 @@ MODES = [
     ("sliding window 512 + 4 sinks", {"mode": "sliding_window", "window": 512, "sinks": 4}),
     ("sliding window 128 + 4 sinks", {"mode": "sliding_window", "window": 128, "sinks": 4}),
     ("sliding window 192 + 64 sinks", {"mode": "sliding_window", "window": 192, "sinks": 64}),
+    ("sliding window 448 + 4 sinks", {"mode": "sliding_window", "window": 448, "sinks": 4}),
+    ("sliding window 576 + 4 sinks", {"mode": "sliding_window", "window": 576, "sinks": 4}),
     ("token top-k 128", {"mode": "topk", "k": 128}),
     ("token top-k 256", {"mode": "topk", "k": 256}),
     ("token top-k 128 + 4 sinks", {"mode": "topk", "k": 128, "sinks": 4}),
@@ -41,6 +43,14 @@ MODES = [
     (
         "Longformer pattern w 256 + 4 global",
         {"mode": "pattern", "pattern": "longformer", "pattern_args": {"window": 256, "global_idx": [0, 1, 2, 3]}},
+    ),
+    (
+        "Sparse Transformer strided pattern, stride 16 + local 192",
+        {"mode": "pattern", "pattern": "strided", "pattern_args": {"stride": 16, "local": 192}},
+    ),
+    (
+        "BigBird pattern, w 128 + 4 global + 1 random block",
+        {"mode": "pattern", "pattern": "bigbird", "pattern_args": {"window": 128, "num_global": 4, "num_random": 1}},
     ),
     ("block top-k 4 x 64", {"mode": "block_topk", "k": 4, "block_size": 64}),
     ("block top-k 8 x 64", {"mode": "block_topk", "k": 8, "block_size": 64}),
