@@ -339,21 +339,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
       bp.kv_block_order = nullptr;
       bp.kv_heavy = nullptr;
     }
-    // Causal-type windows: CTAs in head groups, heaviest key blocks first (bwd_tile_of_cta); a
-    // group's Q and dO (16-bit, the tensor-core kernels') about 16 MiB, a share of L2.
+    // CTAs in head groups (bwd_tile_of_cta: key block by key block over head_group (batch, kv
+    // head)s), as many as keep the group's Q and dO (16-bit, the tensor-core kernels') within
+    // `budget` bytes, `bytes` each.
+    const auto heads_within = [&](int64_t budget, int64_t bytes) {
+      return int(std::clamp<int64_t>(budget / std::max<int64_t>(1, bytes), 1, s.b * s.h_kv));
+    };
+    const int64_t qdo_bytes = s.lq * (s.d + s.dv) * 2;  // one query head's Q and dO
     bp.head_group = 0;
-    if (variant == Variant::kWindow && bp.fwd.window_left < 0 && bp.fwd.window_right >= 0) {
-      const int64_t bytes = std::max<int64_t>(1, s.lq * (s.d + s.dv) * 2 * (s.h / s.h_kv));
-      bp.head_group = int(std::clamp<int64_t>((int64_t(16) << 20) / bytes, 1, s.b * s.h_kv));
-    }
-    // Ordered reductions: key tile n of a head waits for n - 1 at every query tile, so the CTAs of a
-    // head that start together start n turns apart. Key block by key block over groups of heads, a
-    // wave holds a few key tiles of each; a group's Q and dO (per kv head) about 32 MiB. (H100, B2
-    // H16: all heads in one group ran 1.5-1.8x the default at D = 128, L = 4k-16k; grid order
-    // 1.2-1.3x at 4k; this rule 1.0-1.14x from 4k; docs/PERF_LOG.md.)
     if (ordered) {
-      const int64_t bytes = std::max<int64_t>(1, s.lq * (s.d + s.dv) * 2);
-      bp.head_group = int(std::clamp<int64_t>((int64_t(32) << 20) / bytes, 1, s.b * s.h_kv));
+      // Ordered reductions: key tile n of a head waits for n - 1 at every query tile, so the CTAs of
+      // a head that start together start n turns apart; grouped, a wave holds a few key tiles of
+      // each head. About 32 MiB per group, counting one query head per kv head. (H100, B2 H16: all
+      // heads in one group ran 1.5-1.8x the default at D = 128, L = 4k-16k; grid order 1.2-1.3x at
+      // 4k; this rule 1.0-1.14x from 4k; docs/PERF_LOG.md.)
+      bp.head_group = heads_within(int64_t(32) << 20, qdo_bytes);
+    } else if (variant == Variant::kWindow && bp.fwd.window_left < 0 && bp.fwd.window_right >= 0) {
+      // Causal-type windows, heaviest key blocks first: a group's Q and dO about 16 MiB, a share of L2.
+      bp.head_group = heads_within(int64_t(16) << 20, qdo_bytes * (s.h / s.h_kv));
     }
     // dQ in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the wgmma
     // fragments in order (j, warp, g, t, e), undone below; the portable kernel's dQ / scale as
