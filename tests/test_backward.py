@@ -4,6 +4,8 @@ autograd of the reference under the same mask, with the tolerance rule applied t
 gradient is honoured; the CPU backward is bit-identical run to run (the CUDA one says it is not
 under torch.use_deterministic_algorithms); compiled training steps equal eager ones."""
 
+import random
+
 import pytest
 import torch
 from utils import band_mask, check_close, make_qkv
@@ -375,6 +377,40 @@ def test_cuda_causal_backward_over_head_groups_and_long_walks(portable):
         for what, a, b in zip(("dq", "dk", "dv"), ours, gold, strict=True):
             assert torch.isfinite(a).all(), what
             torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=lambda m, w=what: f"{w}: {m}")
+
+
+def test_ordered_backward_walks_visit_each_tile_once_in_key_order():
+    """The deterministic mode's walks (OrderedWindowQTiles over the Hopper backward's 64-row query
+    tiles and 128-key tiles, run on the host by a private op) against the band itself: key tile n
+    visits exactly the (head, query tile)s whose 64 x 128 rectangle holds a visible pair, each once;
+    at each, the visitors' ranks are 0, 1, ... in ascending key order (the counter reaches every
+    rank: no CTA waits out its timeout), and key tile n - 1 gets there no later in its walk than n
+    (a CTA waits only for one started before it). Causal, bands, one-sided bounds, Lq != Lk, GQA."""
+    rng = random.Random(0)
+    cases = [(700, 700, -1, 0, 1), (1900, 2048, -1, 0, 3), (1500, 1000, -1, 0, 1), (2048, 1900, 300, 50, 2)]
+    cases += [(777, 1333, -1, 200, 1), (1333, 777, 0, -1, 2), (640, 640, -1, -1, 2), (64, 1, -1, 0, 1)]
+    for _ in range(40):
+        left, right = rng.choice([-1, 0, rng.randrange(1, 600)]), rng.choice([-1, 0, rng.randrange(1, 600)])
+        cases.append((rng.randrange(1, 900), rng.randrange(1, 900), left, right, rng.randrange(1, 4)))
+    for lq, lk, left, right, heads in cases:
+        walks = torch.ops.sparse_attn._ordered_bwd_walk(lq, lk, left, right, heads)
+        window = (None if left < 0 else left, None if right < 0 else right)
+        nq, nk = -(-lq // 64), -(-lk // 128)
+        visible = torch.zeros(nq * 64, nk * 128, dtype=torch.bool)
+        visible[:lq, :lk] = band_mask(lq, lk, window=window)
+        rect = visible.view(nq, 64, nk, 128).any(3).any(1)
+        visitors = {}
+        for n in range(nk):
+            steps = [tuple(x) for x in walks[n].tolist() if x[0] >= 0]
+            seen = [(h, m) for h, m, _ in steps]
+            expected = {(h, m) for m in range(nq) if rect[m, n] for h in range(heads)}
+            assert len(seen) == len(set(seen)) and set(seen) == expected, (lq, lk, left, right, n)
+            for step, (h, m, rank) in enumerate(steps):
+                visitors.setdefault((h, m), []).append((n, rank, step))
+        for at, found in visitors.items():
+            assert [rank for _, rank, _ in sorted(found)] == list(range(len(found))), (lq, lk, left, right, at)
+            steps = [step for _, _, step in sorted(found)]
+            assert steps == sorted(steps), (lq, lk, left, right, at)
 
 
 @pytest.mark.cuda

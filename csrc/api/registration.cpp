@@ -1,12 +1,53 @@
 // Op schemas, written once. Each backend registers its kernels in its own file
 // (ops_cpu.cpp, ops_cuda.cpp); Python adds the fake (meta) kernels. The _plan_* ops return the
 // plan a call would take, without running it (sparse_attn.explain); _set_plan_options sets the
-// plan overrides of tests and benchmarks.
+// plan overrides of tests and benchmarks; _ordered_bwd_walk shows the deterministic backward's walks
+// to the tests.
 #include <Python.h>
 #include <torch/library.h>
 
+#include <array>
+#include <vector>
+
 #include "common.h"
 #include "sparse_attn/plan.h"
+#include "sparse_attn/tile_iter.h"
+
+namespace {
+
+// The walks of the Hopper backward's ordered dQ reductions (OrderedWindowQTiles over its 64-row
+// query tiles and 128-key tiles) for a band (window bounds as in AttnFwdParams, bottom-right
+// aligned): (key tiles, longest walk, 3) int32, per step (query head in the group, query tile,
+// rank), -1 past a walk's end. The host runs the same iterator the kernel does.
+at::Tensor ordered_bwd_walk(int64_t lq, int64_t lk, int64_t left, int64_t right, int64_t heads) {
+  TORCH_CHECK(lq > 0 && lk > 0 && heads > 0 && lq <= (1 << 20) && lk <= (1 << 20) && heads <= 64,
+              "_ordered_bwd_walk: lq, lk in [1, 2^20] and heads in [1, 64], got ", lq, ", ", lk, ", ", heads);
+  sparse_attn::AttnBwdParams bp{};
+  bp.fwd.lq = int(lq);
+  bp.fwd.lk = int(lk);
+  bp.fwd.window_left = int(left);
+  bp.fwd.window_right = int(right);
+  bp.fwd.kv_offset = int(lk - lq);
+  bp.fwd.h_per_kv = int(heads);
+  const int nkb = int((lk + 127) / 128);
+  std::vector<std::vector<std::array<int32_t, 3>>> walks(nkb);
+  size_t longest = 0;
+  for (int n = 0; n < nkb; ++n) {
+    const sparse_attn::OrderedWindowQTiles<64, 128> tiles(bp, 0, 0, n);
+    sparse_attn::QTilePos pos;
+    for (bool more = tiles.start(pos); more; more = tiles.advance(pos))
+      walks[n].push_back({pos.hl, pos.m_block, tiles.rank(pos)});
+    longest = std::max(longest, walks[n].size());
+  }
+  at::Tensor out = at::full({nkb, int64_t(longest), 3}, -1, at::kInt);
+  int32_t* o = out.data_ptr<int32_t>();
+  for (int n = 0; n < nkb; ++n)
+    for (size_t i = 0; i < walks[n].size(); ++i)
+      for (int c = 0; c < 3; ++c) o[(n * longest + i) * 3 + c] = walks[n][i][c];
+  return out;
+}
+
+}  // namespace
 
 // Importing sparse_attn._C runs the static registrations below; the module itself is empty.
 extern "C" PyObject* PyInit__C(void) {
@@ -103,6 +144,7 @@ TORCH_LIBRARY(sparse_attn, m) {
       "Tensor? value, Tensor? block_table, Tensor? kv_num_blocks, Tensor? kv_indices, int kv_block, "
       "int window_left=-1, int window_right=-1, int target_cc=0, int target_sms=0) -> str",
       &sparse_attn::explain_kvcache);
+  m.def("_ordered_bwd_walk(int lq, int lk, int left, int right, int heads) -> Tensor", &ordered_bwd_walk);
   m.def(
       "_set_plan_options(bool portable_only=False, int block_m=0, int block_n=0, bool per_tile_grid=False, "
       "int merge_boundary=-1, int select_workspace_bytes=0, int decode_splits=0, int select_filter_stride=0) "
