@@ -144,8 +144,8 @@ def offset_oracle(model, chunks, budgets, sinks: int = 4):
                     per_head.append((keep[(rows - cols).clamp(min=0)] | (cols < sinks)) & causal)
                 masks[layer] = torch.stack(per_head)
             state["masks"] = masks
-            density = float(masks[0].sum()) / masks[0].shape[0] / total
-            yield budget, density, perplexity(model, chunks)[0]
+            share = float(masks[0].sum()) / masks[0].shape[0] / total  # layer 0's heads, each just past it
+            yield budget, share, perplexity(model, chunks)[0]
     finally:
         state["masks"] = None
         model.set_attn_implementation(previous)

@@ -51,6 +51,8 @@ struct AttnBwdSm90Traits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBwdBlockM;  // query rows per tile
   static constexpr int kBlockN = 128;         // keys per CTA, 64 per consumer warpgroup
+  static_assert(!kOrdered || (kBlockM == 64 && kBlockN == 128),
+                "registration.cpp's _ordered_bwd_walk runs this walk on 64 x 128 tiles for the tests");
   static constexpr int kStages = 2;
   static constexpr int kNThreads = 384;
   static constexpr int kColBlocks = kHeadDim / 64;
