@@ -446,6 +446,27 @@ struct BlockSparseQTiles {
     const int32_t w = masks[(int64_t(s.pid) * q_block + (m - s.qrow0)) * words + c / 32];
     return (uint32_t(w) >> (c % 32)) & 1u;
   }
+  // visible() for the 32 elements a Hopper consumer thread holds of a transposed tile, as bits:
+  // bit 4 j + e <-> query qrow + 8 j + e % 2, key key_row + 8 (e / 2) (j < 8, e < 4). Needs
+  // key_row % 32 < 24, so that both keys lie in one mask word (the consumers' key_row is
+  // n0 + 64 wg + 16 warp + g, g < 8), and the key tile to be the key block (kBlockN == kv_block).
+  // A full block reads no mask word: only the keys' ragged tail can hide an element.
+  SA_HD uint32_t visible_bits_t(const QTilePos& s, int qrow, int key_row) const {
+    const uint32_t keys = (key_row < lk ? 0x33333333u : 0u) | (key_row + 8 < lk ? 0xccccccccu : 0u);
+    if (s.pid < 0) return keys;
+    const int c = key_row - n0;
+    const int32_t* w = masks + (int64_t(s.pid) * q_block + (qrow - s.qrow0)) * words + c / 32;
+    uint32_t bits = 0;
+#pragma unroll 1  // few registers: the caller holds a tile's accumulators
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t word = uint32_t(w[(8 * j + r) * words]) >> (c % 32);
+        bits |= ((word & 1u) << (4 * j + r)) | (((word >> 8) & 1u) << (4 * j + r + 2));
+      }
+    }
+    return bits & keys;
+  }
 };
 
 template <Variant V, int kBlockM, int kBlockN>
