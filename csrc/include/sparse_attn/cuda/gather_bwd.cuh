@@ -3,8 +3,9 @@
 // group's heads the 16 rows of the mma tile, the listed keys visited 16 at a time through a
 // two-stage cp.async ring. Per stage: S = Q K^T, dP = dO V^T, P and dS as in attn_bwd.cuh, then
 // dQ += dS K in registers (the token's dQ is complete in its warp), and dK = dS^T Q, dV = P^T dO
-// for the stage's listed keys, reduced over the group's heads by the mma before one float2 atomic per
-// pair of elements into the fp32 accumulators (P and dS go through shared memory transposed).
+// for the stage's listed keys, reduced over the group's heads by the mma, then added to the fp32
+// accumulators in 16-key x 32-column blocks staged in shared memory, so that every vector reduction
+// adds whole 128-byte lines (P and dS go through shared memory transposed).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,8 +29,11 @@ struct GatherBwdLayout {
   static constexpr int kQBytes = kGatherMmaRows * kHeadDim * 2;
   static constexpr int kKVBytes = kGatherBwdKeys * kHeadDim * 2;
   static constexpr int kPBytes = kGatherBwdKeys * kGatherMmaRows * 2;  // (keys, heads), 32-byte rows
-  // Q, dO, (K, V) per stage, P^T, dS^T.
-  static constexpr int kWarpBytes = 2 * kQBytes + kGatherMmaStages * 2 * kKVBytes + 2 * kPBytes;
+  // dK or dV of the stage's keys, 32 columns: fp32 rows of 36 (bank spread, 16-byte aligned)
+  static constexpr int kRStride = 36;
+  static constexpr int kRBytes = kGatherBwdKeys * kRStride * 4;
+  // Q, dO, (K, V) per stage, P^T, dS^T, the reduction's rows.
+  static constexpr int kWarpBytes = 2 * kQBytes + kGatherMmaStages * 2 * kKVBytes + 2 * kPBytes + kRBytes;
   static constexpr int kSmemBytes = kGatherMmaWarps * kWarpBytes;
 };
 
@@ -59,6 +63,7 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
   const uint32_t sP = sdO + L::kQBytes + kGatherMmaStages * 2 * L::kKVBytes, sDs = sP + L::kPBytes;
   char* pP = smem + (sP - smem_u32(smem));
   char* pDs = smem + (sDs - smem_u32(smem));
+  float* rows32 = reinterpret_cast<float*>(pDs + L::kPBytes);
 
   const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
                        int64_t(i) * p.idx_row_stride;
@@ -124,6 +129,32 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
   const uint32_t a_base = swz<kChunks>(((lane / 8) % 2) * 8 + r8, lane / 16);   // A rows (Q, dO)
   const uint32_t b_base = swz<kChunks>((lane / 16) * 8 + r8, (lane / 8) % 2);   // B rows (K, V)
   const uint32_t bt_base = swz<kChunks>(((lane / 8) % 2) * 8 + r8, lane / 16);  // B transposed
+
+  // A 16-key x 32-column block of dK or dV (mma fragments) added to the fp32 accumulator rows
+  // through shared memory, so that each reduction adds whole 128-byte lines: four rows of 32 columns
+  // per warp instruction (red.v4; the fragments' own layout, 32 bytes of 16 rows per instruction,
+  // added 1.3 TB/s in a microbenchmark where whole lines added 1.8, and 2.0 against 3.3 TB/s with
+  // the accumulators in L2: docs/PERF_LOG.md).
+  // Columns 32 dc .. of the stage's keys 16 mt ..; cols (D == Dv) a multiple of 8, so that four
+  // columns lie wholly inside or past it.
+  auto reduce_rows = [&](const float (&acc)[4][4], float* accum, int cols, int mt, int dc) {
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<float2*>(rows32 + (g + 8 * half) * L::kRStride + x * 8 + 2 * t) =
+            make_float2(acc[x][2 * half], acc[x][2 * half + 1]);
+    __syncwarp();
+    const int c4 = (lane % 8) * 4, col = dc * 32 + c4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 4 * i + lane / 8;
+      const int key = __shfl_sync(0xffffffffu, j_cur, mt * 16 + r);
+      const float4 val = *reinterpret_cast<const float4*>(rows32 + r * L::kRStride + c4);
+      if (key >= 0 && col < cols) red_add_f4(accum + int64_t(key) * cols + col, val);
+    }
+    __syncwarp();  // read before the next block is written
+  };
 
   for (int it = 0; it < n_stages; ++it) {
     const int stage = it % kGatherMmaStages;
@@ -193,10 +224,6 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
           uint32_t(((mt * 16 + ((lane / 8) % 2) * 8 + r8) * kGatherMmaRows + (lane / 16) * 8) * 2);
       ldmatrix_x4(ap[0], sP + arow);
       ldmatrix_x4(ad[0], sDs + arow);
-      int key[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        key[half] = __shfl_sync(0xffffffffu, j_cur, mt * 16 + g + 8 * half);
       static_for<kDTiles / 4>([&](auto dc_) {
         constexpr int dc = decltype(dc_)::value;
         float ak[4][4], av[4][4];
@@ -207,16 +234,11 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
         mma_nn<kDtype, kChunks, 1, 4, 2 * dc>(ak, ad, sQ + bt_base);
         mma_nn<kDtype, kChunks, 1, 4, 2 * dc>(av, ap, sdO + bt_base);
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int col8 = dc * 32 + x * 8;  // D == Dv, a multiple of 8
-          const bool ok = col8 < p.d;
+        for (int x = 0; x < 4; ++x)
 #pragma unroll
           for (int e = 0; e < 4; ++e) ak[x][e] *= p.scale;
-          red_add_rows(ok && key[0] >= 0 ? dk_acc + int64_t(key[0]) * p.d + col8 : nullptr,
-                       ok && key[1] >= 0 ? dk_acc + int64_t(key[1]) * p.d + col8 : nullptr, ak[x], t);
-          red_add_rows(ok && key[0] >= 0 ? dv_acc + int64_t(key[0]) * p.dv + col8 : nullptr,
-                       ok && key[1] >= 0 ? dv_acc + int64_t(key[1]) * p.dv + col8 : nullptr, av[x], t);
-        }
+        reduce_rows(ak, dk_acc, p.d, mt, dc);
+        reduce_rows(av, dv_acc, p.dv, mt, dc);
       });
     }
     j_cur = j_next;
