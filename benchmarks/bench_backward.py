@@ -119,10 +119,9 @@ def block_sparse_table(args, dev) -> list[str]:
     flex = flex_fn(dev)
     from torch.nn.attention.flex_attention import create_block_mask
 
-    length, d, h = args.sparse_length, 128, args.heads
+    length, h = args.sparse_length, args.heads
     nb = length // 128
     gen = torch.Generator().manual_seed(0)
-    q, k, v = qkv(args.batch, h, h, length, d, dev, seed=1)
     mods = {}
     for pct in (5, 10, 25, 50):
         blocks = (torch.rand(nb, nb, generator=gen) < pct / 100) | torch.eye(nb, dtype=torch.bool)
@@ -131,28 +130,36 @@ def block_sparse_table(args, dev) -> list[str]:
     mods["window 1024"] = lambda b_, h_, qi, kv: (qi - kv).abs() < 1024
     mods["window 1024 causal"] = lambda b_, h_, qi, kv: (qi >= kv) & (qi - kv < 1024)
     mods["longformer w=512 g=64"] = lambda b_, h_, qi, kv: ((qi - kv).abs() < 512) | (qi < 64) | (kv < 64)
-    dense_bwd = backward_fn(lambda a, b, c: sparse_attn.flash_attention(a, b, c), q, k, v)
-    lines = [
-        f"B={args.batch} H={h} L={length} D={d} bf16",
-        "",
-        "| pattern | density | ours ms | flex ms | vs flex | ours / (density x our dense) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, mod in mods.items():
-        fbm = create_block_mask(mod, None, None, length, length, device=dev)
-        mask = BlockSparseMask.from_flex(fbm)
-        density = float(mask.to_dense().float().mean()) if length <= 16384 else float("nan")
-        fns = {
-            "ours": backward_fn(lambda a, b, c, mask=mask: sparse_attn.block_sparse_attention(a, b, c, mask), q, k, v),
-            "flex": backward_fn(lambda a, b, c, fbm=fbm: flex(a, b, c, block_mask=fbm), q, k, v),
-            "dense": dense_bwd,
-        }
-        t = time_rounds(fns, dev, rounds=args.rounds)
-        ms = {n: sorted(x)[len(x) // 2] for n, x in t.items()}
-        prop = ms["ours"] / (density * ms["dense"])
-        vs_flex = ratio_median(t["flex"], t["ours"])
-        lines.append(f"| {name} | {density:.3f} | {ms['ours']:.3f} | {ms['flex']:.3f} | {vs_flex:.2f} | {prop:.2f} |")
-        print(lines[-1], flush=True)
+    lines = []
+    for d in args.sparse_head_dims:
+        q, k, v = qkv(args.batch, h, h, length, d, dev, seed=1)
+        dense_bwd = backward_fn(lambda a, b, c: sparse_attn.flash_attention(a, b, c), q, k, v)
+        lines += [
+            f"B={args.batch} H={h} L={length} D={d} bf16",
+            "",
+            "| pattern | density | ours ms | flex ms | vs flex | ours / (density x our dense) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, mod in mods.items():
+            fbm = create_block_mask(mod, None, None, length, length, device=dev)
+            mask = BlockSparseMask.from_flex(fbm)
+            density = float(mask.to_dense().float().mean()) if length <= 16384 else float("nan")
+            fns = {
+                "ours": backward_fn(
+                    lambda a, b, c, mask=mask: sparse_attn.block_sparse_attention(a, b, c, mask), q, k, v
+                ),
+                "flex": backward_fn(lambda a, b, c, fbm=fbm: flex(a, b, c, block_mask=fbm), q, k, v),
+                "dense": dense_bwd,
+            }
+            t = time_rounds(fns, dev, rounds=args.rounds)
+            ms = {n: sorted(x)[len(x) // 2] for n, x in t.items()}
+            prop = ms["ours"] / (density * ms["dense"])
+            vs_flex = ratio_median(t["flex"], t["ours"])
+            lines.append(
+                f"| {name} | {density:.3f} | {ms['ours']:.3f} | {ms['flex']:.3f} | {vs_flex:.2f} | {prop:.2f} |"
+            )
+            print(lines[-1], flush=True)
+        lines.append("")
     return lines
 
 
@@ -234,6 +241,7 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--scale-heads", action="store_true", help="H = heads * 128 / D (constant model width)")
     parser.add_argument("--sparse-length", type=int, default=16384)
+    parser.add_argument("--sparse-head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--topk-length", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-flex", action="store_true")
