@@ -232,6 +232,9 @@ def _gather_bwd(grad_out, query, key, value, out, lse, grad_lse, indices, scale=
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:3], *output)
     ctx.rest = inputs[3:]
+    # An unused LSE's gradient arrives as None, not as a tensor of zeros (a fill per backward call,
+    # and the backward kernels then read it).
+    ctx.set_materialize_grads(False)
 
 
 def _grads(ctx, grad_out, grad_lse):

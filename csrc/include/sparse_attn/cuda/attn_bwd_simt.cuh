@@ -18,36 +18,56 @@ namespace sparse_attn::cuda {
 constexpr int kBwdWarps = 4;            // warps per CTA of the preprocess and the CUDA-core kernel
 constexpr int kMaxHeadDimKernel = 256;  // head dims the CUDA-core kernel holds a row of
 
-// One warp per row of the padded (B * H, lq_pad) statistics: lse_log2 (+inf where the row saw no
-// key or lies past Lq, so that its P is 0) and delta = dO . O - dLSE.
-template <typename T>
+// The padded (B * H, lq_pad) statistics: lse_log2 (+inf where the row saw no key or lies past Lq,
+// so that its P is 0) and delta = dO . O - dLSE; kLanes lanes per row, each a 16-byte chunk of O and
+// dO (Dv = kLanes chunks, 16-byte aligned rows), or (kLanes = 0) a warp per row reading elements.
+// The grid's threads also zero params.zero_buf.
+template <typename T, int kLanes>
 __global__ void __launch_bounds__(kBwdWarps * 32)
     bwd_preprocess_kernel(__grid_constant__ const AttnBwdParams bp) {
   const AttnFwdParams& p = bp.fwd;
-  const int64_t row = int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= int64_t(p.b) * p.h * bp.lq_pad) return;
-  const int64_t bh = row / bp.lq_pad;
-  const int i = int(row % bp.lq_pad);
-  float lse2 = INFINITY, delta = 0.f;
+  if (bp.zero_buf != nullptr) {
+    const int64_t n4 = bp.zero_count / 4, stride = int64_t(gridDim.x) * blockDim.x;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += stride)
+      reinterpret_cast<float4*>(bp.zero_buf)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  constexpr int kRowLanes = kLanes > 0 ? kLanes : 32, kRowsPerWarp = 32 / kRowLanes;
+  const int lane = threadIdx.x % 32, sub = lane % kRowLanes;
+  const int64_t row = (int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / 32) * kRowsPerWarp + lane / kRowLanes;
+  const bool in = row < int64_t(p.b) * p.h * bp.lq_pad;  // (every lane takes part in the shuffles)
+  const int64_t bh = in ? row / bp.lq_pad : 0;
+  const int i = in ? int(row % bp.lq_pad) : p.lq;
+  float acc = 0.f;
   if (i < p.lq) {
     const int b = int(bh / p.h), h = int(bh % p.h);
     const T* o =
         static_cast<const T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + int64_t(i) * p.o_row_stride;
     const T* dout = static_cast<const T*>(bp.dout) + b * bp.do_batch_stride + h * bp.do_head_stride +
                     int64_t(i) * bp.do_row_stride;
-    float acc = 0.f;
-    for (int c = lane; c < p.dv; c += 32) acc += to_f32(o[c]) * to_f32(dout[c]);
-    acc = warp_sum(acc);
+    if constexpr (kLanes > 0) {
+      constexpr int kE = 16 / sizeof(T);  // elements per chunk
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + sub * kE);
+      const uint4 dv = *reinterpret_cast<const uint4*>(dout + sub * kE);
+      const T* oe = reinterpret_cast<const T*>(&ov);
+      const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+      for (int e = 0; e < kE; ++e) acc += to_f32(oe[e]) * to_f32(de[e]);
+    } else {
+      for (int c = lane; c < p.dv; c += 32) acc += to_f32(o[c]) * to_f32(dout[c]);
+    }
+  }
+#pragma unroll
+  for (int off = kRowLanes / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (!in || sub != 0) return;
+  float lse2 = INFINITY, delta = 0.f;
+  if (i < p.lq) {
     const int64_t r = bh * p.lq + i;
     delta = acc - (bp.dlse != nullptr ? bp.dlse[r] : 0.f);
     const float lse = p.lse[r];
     lse2 = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
   }
-  if (lane == 0) {
-    bp.lse_log2[row] = lse2;
-    bp.delta[row] = delta;
-  }
+  bp.lse_log2[row] = lse2;
+  bp.delta[row] = delta;
 }
 
 // One warp per query row: dQ of the row in registers (lane c holds columns c, c + 32, ...), dK and
@@ -146,12 +166,33 @@ namespace sparse_attn {
 
 template <ScalarKind kDtype>
 cudaError_t run_bwd_preprocess_(const AttnBwdParams& params, cudaStream_t stream) {
-  const int64_t rows = int64_t(params.fwd.b) * params.fwd.h * params.lq_pad;
-  const int64_t grid = (rows + cuda::kBwdWarps - 1) / cuda::kBwdWarps;
+  using T = typename cuda::ElementOf<kDtype>::type;
+  const AttnFwdParams& p = params.fwd;
+  if (params.zero_buf != nullptr &&
+      (params.zero_count % 4 != 0 || reinterpret_cast<uintptr_t>(params.zero_buf) % 16))
+    return cudaErrorInvalidValue;
+  // 16-byte chunks where every row of O and dO starts 16-byte aligned and holds 8, 16 or 32 of them.
+  constexpr int kE = 16 / sizeof(T);
+  const auto aligned = [](const void* base, int64_t b, int64_t h, int64_t r) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (b | h | r) % kE == 0;
+  };
+  const int lanes = p.dv % kE == 0 && (p.dv / kE == 8 || p.dv / kE == 16 || p.dv / kE == 32) ? p.dv / kE : 0;
+  const bool vec = lanes > 0 && aligned(p.o, p.o_batch_stride, p.o_head_stride, p.o_row_stride) &&
+                   aligned(params.dout, params.do_batch_stride, params.do_head_stride, params.do_row_stride);
+  const int64_t rows = int64_t(p.b) * p.h * params.lq_pad;
+  const int64_t rows_per_cta = cuda::kBwdWarps * (vec ? 32 / lanes : 1);
+  const int64_t grid = (rows + rows_per_cta - 1) / rows_per_cta;
   if (grid == 0) return cudaSuccess;
   if (grid > INT32_MAX) return cudaErrorInvalidConfiguration;
-  cuda::bwd_preprocess_kernel<typename cuda::ElementOf<kDtype>::type>
-      <<<unsigned(grid), cuda::kBwdWarps * 32, 0, stream>>>(params);
+  const dim3 g{unsigned(grid)}, b{unsigned(cuda::kBwdWarps * 32)};
+  if (!vec)
+    cuda::bwd_preprocess_kernel<T, 0><<<g, b, 0, stream>>>(params);
+  else if (lanes == 8)
+    cuda::bwd_preprocess_kernel<T, 8><<<g, b, 0, stream>>>(params);
+  else if (lanes == 16)
+    cuda::bwd_preprocess_kernel<T, 16><<<g, b, 0, stream>>>(params);
+  else
+    cuda::bwd_preprocess_kernel<T, 32><<<g, b, 0, stream>>>(params);
   return cudaGetLastError();
 }
 
