@@ -322,15 +322,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
   at::Tensor stats = at::empty({2, s.b * s.h, bp.lq_pad}, f32);
   bp.lse_log2 = stats.data_ptr<float>();
   bp.delta = bp.lse_log2 + s.b * s.h * bp.lq_pad;
-  // The preprocess (the rows' statistics) also zeroes the tensor-core paths' dQ accumulator.
-  const auto preprocess = [&] {
-    check_launch(
-        dtype_dispatch(bp.fwd.dtype, [&](auto dt) { return run_bwd_preprocess_<dt.value>(bp, stream); }),
-        "backward preprocess");
-  };
-  bp.zero_buf = nullptr;
-  bp.zero_count = 0;
-  if (!(c.tensor_cores && !gather)) preprocess();
+  check_launch(
+      dtype_dispatch(bp.fwd.dtype, [&](auto dt) { return run_bwd_preprocess_<dt.value>(bp, stream); }),
+      "backward preprocess");
   if (c.tensor_cores && !gather) {
     TORCH_CHECK(s.b * s.h_kv <= 65535, what, ": B * Hkv must be at most 65535, got ", s.b * s.h_kv);
     // The Hopper kernel where it was built and a block-sparse mask's key blocks are its 128-key tiles.
@@ -369,18 +363,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     // (B, H, Lq, D).
     const int64_t col_blocks = padded_head_dim(s.d) / 64;
     at::Tensor dq_accum = separate ? at::Tensor()
-                          : hopper ? at::empty({s.b, s.h, bp.lq_pad / 64, col_blocks, 8, 4, 8, 4, 2, 2}, f32)
-                                   : at::empty({s.b, s.h, s.lq, s.d}, f32);
+                          : hopper ? at::zeros({s.b, s.h, bp.lq_pad / 64, col_blocks, 8, 4, 8, 4, 2, 2}, f32)
+                                   : at::zeros({s.b, s.h, s.lq, s.d}, f32);
     bp.dq_accum = separate ? nullptr : dq_accum.data_ptr<float>();
-    if (!separate) {
-      if (dq_accum.numel() % 4 == 0) {  // zeroed by the preprocess (16-byte aligned: a fresh allocation)
-        bp.zero_buf = bp.dq_accum;
-        bp.zero_count = dq_accum.numel();
-      } else {
-        dq_accum.zero_();
-      }
-    }
-    preprocess();
     bp.dq_separate = separate ? 1 : 0;
     at::Tensor dq_order =
         ordered ? at::zeros({s.b * s.h * (bp.lq_pad / 64)}, c.q.options().dtype(at::kInt)) : at::Tensor();

@@ -97,10 +97,6 @@ struct AttnBwdParams {
   // the Hopper one dQ itself in (B, H, lq_pad / 64, D_pad / 64) tiles of 64 x 64 in wgmma fragment
   // order (ops_cuda.cpp undoes it).
   float* __restrict__ dq_accum;
-  // Zeroed by the preprocess, which runs first (a fill launch fewer): zero_count floats, a multiple
-  // of 4, from a 16-byte aligned zero_buf (dq_accum where the caller has it); nullptr: none.
-  float* __restrict__ zero_buf;
-  int64_t zero_count;
   // Deterministic mode: dQ comes from its own kernel (attn_bwd_dq.cuh, no atomics) and the key-major
   // kernel (Hopper's or the portable one) computes dK and dV only.
   int dq_separate;

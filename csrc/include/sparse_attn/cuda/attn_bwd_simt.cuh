@@ -21,16 +21,10 @@ constexpr int kMaxHeadDimKernel = 256;  // head dims the CUDA-core kernel holds 
 // The padded (B * H, lq_pad) statistics: lse_log2 (+inf where the row saw no key or lies past Lq,
 // so that its P is 0) and delta = dO . O - dLSE; kLanes lanes per row, each a 16-byte chunk of O and
 // dO (Dv = kLanes chunks, 16-byte aligned rows), or (kLanes = 0) a warp per row reading elements.
-// The grid's threads also zero params.zero_buf.
 template <typename T, int kLanes>
 __global__ void __launch_bounds__(kBwdWarps * 32)
     bwd_preprocess_kernel(__grid_constant__ const AttnBwdParams bp) {
   const AttnFwdParams& p = bp.fwd;
-  if (bp.zero_buf != nullptr) {
-    const int64_t n4 = bp.zero_count / 4, stride = int64_t(gridDim.x) * blockDim.x;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += stride)
-      reinterpret_cast<float4*>(bp.zero_buf)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
   constexpr int kRowLanes = kLanes > 0 ? kLanes : 32, kRowsPerWarp = 32 / kRowLanes;
   const int lane = threadIdx.x % 32, sub = lane % kRowLanes;
   const int64_t row = (int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / 32) * kRowsPerWarp + lane / kRowLanes;
@@ -168,9 +162,6 @@ template <ScalarKind kDtype>
 cudaError_t run_bwd_preprocess_(const AttnBwdParams& params, cudaStream_t stream) {
   using T = typename cuda::ElementOf<kDtype>::type;
   const AttnFwdParams& p = params.fwd;
-  if (params.zero_buf != nullptr &&
-      (params.zero_count % 4 != 0 || reinterpret_cast<uintptr_t>(params.zero_buf) % 16))
-    return cudaErrorInvalidValue;
   // 16-byte chunks where every row of O and dO starts 16-byte aligned and holds 8, 16 or 32 of them.
   constexpr int kE = 16 / sizeof(T);
   const auto aligned = [](const void* base, int64_t b, int64_t h, int64_t r) {
