@@ -413,6 +413,31 @@ def test_ordered_backward_walks_visit_each_tile_once_in_key_order():
             assert steps == sorted(steps), (lq, lk, left, right, at)
 
 
+def test_block_sparse_backward_visibility_bits_match_the_elements():
+    """The Hopper block-sparse backward's per-thread visibility words (BlockSparseQTiles::
+    visible_bits_t, run on the host by a private op for all 256 consumer threads of a 64-query x
+    128-key tile) equal the bits visible() gives element by element: full blocks (all set but past
+    Lk), partial blocks of random masks at both query-block sizes, both query tiles of a 128-row
+    block, and a key block cut by Lk. A wrong bit, word or shift (the two keys of a thread share one
+    32-bit word) fails it; a full block reads no mask word."""
+    gen = torch.Generator().manual_seed(0)
+    checked = 0
+    for q_block in (64, 128):
+        masks = torch.randint(-(2**31), 2**31 - 1, (3, q_block, 4), generator=gen, dtype=torch.int64).int()
+        masks[2] = 0  # a partial row that hides everything
+        for lk, n_block in ((4096, 5), (1000, 7), (901, 7), (129, 1)):
+            for pid in (-1, 0, 1, 2):
+                for m0 in range(0, q_block, 64):
+                    bits, ref = torch.ops.sparse_attn._block_bwd_visible_bits(masks, q_block, lk, n_block, pid, 0, m0)
+                    assert torch.equal(bits, ref), (q_block, lk, n_block, pid, m0)
+                    if pid < 0 and (n_block + 1) * 128 <= lk:
+                        assert bool((bits == 0xFFFFFFFF).all())
+                    checked += int((ref != 0).any())
+    assert checked > 0
+    with pytest.raises(RuntimeError, match="pid out of range"):
+        torch.ops.sparse_attn._block_bwd_visible_bits(masks, 128, 4096, 5, 3, 0, 0)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_ordered_dq_over_the_dense_family(d):

@@ -1,12 +1,13 @@
 // Op schemas, written once. Each backend registers its kernels in its own file
 // (ops_cpu.cpp, ops_cuda.cpp); Python adds the fake (meta) kernels. The _plan_* ops return the
 // plan a call would take, without running it (sparse_attn.explain); _set_plan_options sets the
-// plan overrides of tests and benchmarks; _ordered_bwd_walk shows the deterministic backward's walks
-// to the tests.
+// plan overrides of tests and benchmarks; _ordered_bwd_walk and _block_bwd_visible_bits show the
+// Hopper backward's walks and visibility bits to the tests.
 #include <Python.h>
 #include <torch/library.h>
 
 #include <array>
+#include <tuple>
 #include <vector>
 
 #include "common.h"
@@ -45,6 +46,49 @@ at::Tensor ordered_bwd_walk(int64_t lq, int64_t lk, int64_t left, int64_t right,
     for (size_t i = 0; i < walks[n].size(); ++i)
       for (int c = 0; c < 3; ++c) o[(n * longest + i) * 3 + c] = walks[n][i][c];
   return out;
+}
+
+// The visibility bits the Hopper block-sparse backward's consumer threads read per tile
+// (BlockSparseQTiles::visible_bits_t, 128-key blocks, 64-row query tiles) for key block n_block
+// and the query tile at row m0 of a listed query block at qrow0 (partial mask row pid, -1 full),
+// next to the same bits assembled from visible() per element: two (256,) int64 tensors, one word
+// per consumer thread (warpgroup, warp, lane). The host runs the code the kernel does.
+std::tuple<at::Tensor, at::Tensor> block_bwd_visible_bits(const at::Tensor& partial_masks, int64_t q_block,
+                                                          int64_t lk, int64_t n_block, int64_t pid,
+                                                          int64_t qrow0, int64_t m0) {
+  TORCH_CHECK(partial_masks.dim() == 3 && partial_masks.scalar_type() == at::kInt &&
+                  partial_masks.is_contiguous() && partial_masks.device().is_cpu() &&
+                  partial_masks.size(1) == q_block && partial_masks.size(2) == 4,
+              "_block_bwd_visible_bits: partial_masks must be a contiguous CPU int32 (P, q_block, 4) tensor");
+  TORCH_CHECK(q_block == 64 || q_block == 128, "_block_bwd_visible_bits: q_block must be 64 or 128");
+  TORCH_CHECK(pid >= -1 && pid < partial_masks.size(0), "_block_bwd_visible_bits: pid out of range");
+  TORCH_CHECK(lk > 0 && n_block >= 0 && n_block * 128 < lk && qrow0 >= 0 && qrow0 % q_block == 0 &&
+                  m0 >= qrow0 && m0 + 64 <= qrow0 + q_block && m0 % 64 == 0,
+              "_block_bwd_visible_bits: the tile must lie in the key block and the query block");
+  std::vector<int32_t> lists(size_t(n_block + 1) * 2, 0);  // the transposed lists the iterator points at
+  sparse_attn::AttnBwdParams bp{};
+  bp.fwd.partial_masks = partial_masks.data_ptr<int32_t>();
+  bp.fwd.q_block = int(q_block);
+  bp.fwd.kv_block = 128;
+  bp.fwd.lk = int(lk);
+  bp.fwd.h_per_kv = 1;
+  bp.fwd.num_q_blocks = 1;
+  bp.q_num_blocks = bp.q_indices = bp.q_partial = lists.data();
+  const sparse_attn::BlockSparseQTiles<64, 128> tiles(bp, 0, 0, int(n_block));
+  sparse_attn::QTilePos pos{0, int(m0 / 64), int(pid), int(qrow0), 0, 0, 1};
+  at::Tensor bits = at::empty({256}, at::kLong), ref = at::empty({256}, at::kLong);
+  for (int thread = 0; thread < 256; ++thread) {
+    const int wg = thread / 128, warp = thread / 32 % 4, lane = thread % 32, g = lane / 4, t = lane % 4;
+    const int key_row = int(n_block) * 128 + wg * 64 + warp * 16 + g;
+    uint32_t r = 0;
+    for (int j = 0; j < 8; ++j)
+      for (int e = 0; e < 4; ++e)
+        if (tiles.visible(pos, int(m0) + 8 * j + 2 * t + e % 2, key_row + 8 * (e / 2)))
+          r |= 1u << (4 * j + e);
+    bits.data_ptr<int64_t>()[thread] = tiles.visible_bits_t(pos, int(m0) + 2 * t, key_row);
+    ref.data_ptr<int64_t>()[thread] = r;
+  }
+  return {bits, ref};
 }
 
 }  // namespace
@@ -105,7 +149,8 @@ TORCH_LIBRARY(sparse_attn, m) {
   m.def(
       "block_sparse_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor? grad_lse, Tensor kv_num_blocks, Tensor kv_indices, Tensor kv_partial, Tensor partial_masks, "
-      "int q_block, int kv_block, float? scale=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+      "int q_block, int kv_block, float? scale=None) -> (Tensor grad_query, Tensor grad_key, Tensor "
+      "grad_value)");
   m.def(
       "gather_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor? grad_lse, Tensor indices, float? scale=None) -> (Tensor grad_query, Tensor grad_key, "
@@ -122,17 +167,21 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int window_right=-1, int target_cc=0, int target_sms=0) -> str",
       &sparse_attn::explain_flash);
   m.def(
-      "_plan_block_sparse(Tensor query, Tensor key, Tensor value, int q_block, int kv_block, int target_cc=0, "
+      "_plan_block_sparse(Tensor query, Tensor key, Tensor value, int q_block, int kv_block, int "
+      "target_cc=0, "
       "int target_sms=0) -> str",
       &sparse_attn::explain_block_sparse);
   m.def(
       "_plan_gather(Tensor query, Tensor key, Tensor value, int index_heads, int target_cc=0, "
       "int target_sms=0) -> str",
       &sparse_attn::explain_gather);
-  m.def("_plan_select(Tensor query, Tensor key, int k, bool causal=False, int target_cc=0, int target_sms=0) -> str",
-        &sparse_attn::explain_select);
   m.def(
-      "_plan_indexer_select(Tensor index_query, Tensor index_key, Tensor index_weights, int k, bool causal=False, "
+      "_plan_select(Tensor query, Tensor key, int k, bool causal=False, int target_cc=0, int target_sms=0) "
+      "-> str",
+      &sparse_attn::explain_select);
+  m.def(
+      "_plan_indexer_select(Tensor index_query, Tensor index_key, Tensor index_weights, int k, bool "
+      "causal=False, "
       "int target_cc=0, int target_sms=0) -> str",
       &sparse_attn::explain_indexer_select);
   m.def(
@@ -145,6 +194,11 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int window_left=-1, int window_right=-1, int target_cc=0, int target_sms=0) -> str",
       &sparse_attn::explain_kvcache);
   m.def("_ordered_bwd_walk(int lq, int lk, int left, int right, int heads) -> Tensor", &ordered_bwd_walk);
+  m.def(
+      "_block_bwd_visible_bits(Tensor partial_masks, int q_block, int lk, int n_block, int pid, int qrow0, "
+      "int m0) "
+      "-> (Tensor, Tensor)",
+      &block_bwd_visible_bits);
   m.def(
       "_set_plan_options(bool portable_only=False, int block_m=0, int block_n=0, bool per_tile_grid=False, "
       "int merge_boundary=-1, int select_workspace_bytes=0, int decode_splits=0, int select_filter_stride=0) "

@@ -193,7 +193,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0) - 1;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int key_row = n0 + wg * 64 + warp * 16 + g;  // this thread's keys: key_row, key_row + 8
+  // This thread's keys: key_row, key_row + 8 (registration.cpp's _block_bwd_visible_bits runs
+  // visible_bits_t on this mapping for the tests).
+  const int key_row = n0 + wg * 64 + warp * 16 + g;
 
   float dk[kDTiles * 4], dv[kDTiles * 4];
 #pragma unroll
