@@ -106,8 +106,8 @@ __device__ __forceinline__ void red_add_rows(float* row_lo, float* row_hi, const
   }
 }
 
-// Adds four floats at a 16-byte aligned address by one vector reduction (sm_90; four scalar ones
-// before).
+// Adds four floats to 16-byte aligned global memory, atomically per element, no result: one vector
+// reduction on sm_90 (the Hopper backward's dQ, top-k's dK and dV), four atomics before.
 __device__ __forceinline__ void red_add_f4(float* dst, float4 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)

@@ -310,11 +310,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // read again rather than held across dV (one register more made ptxas spill at D = 128)
       vis = tiles.visible_bits_t(cur, m0 + 2 * t, key_row);
       dscores([&](int j, int e) { return ((vis >> (4 * j + e)) & 1u) != 0; });
-    }
-    else if (masked)
+    } else if (masked) {
       dscores([&](int j, int e) { return st[0][j][e] != 0.f; });
-    else
+    } else {
       dscores(all);
+    }
     pack_p<Tr::kDtype>(dpt, dsa);
 
     // dS (query, key) into shared memory, K-major for dQ: column block wg of this tile's buffer,
@@ -367,8 +367,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       if constexpr (Tr::kOrdered) mbar_wait(bar_go + 8 * (n % 2), (n / 2) & 1);  // this tile's turn
 #pragma unroll
       for (int j = 0; j < Tr::kDqCols / 8; ++j)  // scale * dQ: the glue only reorders and casts
-        red_add_v4(dst + j * 512, dqa[4 * j] * p.scale, dqa[4 * j + 1] * p.scale, dqa[4 * j + 2] * p.scale,
-                   dqa[4 * j + 3] * p.scale);
+        red_add_f4(dst + j * 512, make_float4(dqa[4 * j] * p.scale, dqa[4 * j + 1] * p.scale,
+                                              dqa[4 * j + 2] * p.scale, dqa[4 * j + 3] * p.scale));
       if constexpr (Tr::kOrdered) {  // the warp's reductions issued: the sequencer may release them
         __syncwarp();
         if (lane == 0) mbar_arrive(bar_done + 8 * (n % 2));

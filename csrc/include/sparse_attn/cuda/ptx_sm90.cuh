@@ -67,11 +67,6 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
-// Adds four floats to 16-byte aligned global memory (atomically per element, no result).
-__device__ __forceinline__ void red_add_v4(float* dst, float a, float b, float c, float d) {
-  SA_SM90_ASM("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
-              : "memory");
-}
 // The ordered reductions' counters (AttnBwdParams::dq_order): a load with acquire semantics at GPU
 // scope (what other CTAs released before it is visible after it), and an increment that releases
 // everything this CTA did before it (fence.acq_rel is cumulative: other threads' reductions that
