@@ -123,6 +123,23 @@ def test_per_layer_modes_and_switching_at_run_time():
     assert ours.config.to_dict()["sparse_attn"]["base"]["mode"] == "sliding_window"  # saved with the config
 
 
+@torch.no_grad()
+def test_compiled_model_equals_eager():
+    """torch.compile of a model on the integration gives the eager model's logits, dense (= SDPA's)
+    and after switching to a sliding window at run time (which must not reuse the dense graph)."""
+    ours, ref = _pair()
+    ids = _ids()
+    compiled = torch.compile(ours)
+    for mode in ({"mode": "dense"}, {"mode": "sliding_window", "window": 16}):
+        sa_hf.configure(ours, **mode)
+        eager = ours(ids).logits
+        torch.testing.assert_close(compiled(ids).logits, eager, atol=1e-5, rtol=1e-5)
+        if mode["mode"] == "dense":
+            torch.testing.assert_close(eager, ref(ids).logits, atol=1e-5, rtol=1e-5)
+        else:
+            assert (eager - ref(ids).logits).abs().max() > 1e-3  # the window does change the logits
+
+
 def test_bad_settings_and_unsupported_inputs_raise():
     with pytest.raises(ValueError, match="mode must be one of"):
         sa_hf.LayerConfig(mode="strided")
