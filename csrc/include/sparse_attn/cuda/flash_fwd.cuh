@@ -15,6 +15,7 @@
 #include "sparse_attn/cuda/flash_fwd.h"
 #include "sparse_attn/cuda/flash_mask.cuh"
 #include "sparse_attn/cuda/flash_softmax.cuh"
+#include "sparse_attn/cuda/hidden_values.cuh"
 #include "sparse_attn/cuda/ptx.cuh"
 #include "sparse_attn/cuda/smem_tile.cuh"
 #include "sparse_attn/tile_iter.h"
@@ -209,8 +210,12 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
   cp_async_wait<0>();
   __syncthreads();
   char* smem_o = smem;
+  auto staged = [&](int r, int col) {  // column col of tile row r
+    return reinterpret_cast<uint32_t*>(smem_o + swz<kChunks>(r, col / 8) + (col % 8) * 2);
+  };
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
+    uint32_t probe[2] = {0u, 0u};  // hidden_values.cuh
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float lse;
@@ -218,10 +223,20 @@ __global__ void __launch_bounds__(Tr::kNThreads) flash_fwd_kernel(__grid_constan
       const int r = warp_row0 + mi * 16 + g + half * 8;
 #pragma unroll
       for (int nd = 0; nd < kDTiles; ++nd) {
-        *reinterpret_cast<uint32_t*>(smem_o + swz<kChunks>(r, nd) + t * 4) =
-            pack2<Tr::kDtype>(acc_o[mi][nd][2 * half] * inv, acc_o[mi][nd][2 * half + 1] * inv);
+        const uint32_t packed = pack2<Tr::kDtype>(acc_o[mi][nd][2 * half] * inv, acc_o[mi][nd][2 * half + 1] * inv);
+        *staged(r, nd * 8 + 2 * t) = packed;
+        probe[half] = probe_nonfinite<Tr::kDtype>(probe[half], packed);
       }
       if (t == 0 && m0 + r < p.lq) p.lse[(int64_t(b) * p.h + h) * p.lq + m0 + r] = lse;
+    }
+    // Rows whose output is not finite, computed again over exactly the keys they see.
+    const uint32_t bad0 = __ballot_sync(0xffffffffu, probe_hit(probe[0]));
+    const uint32_t bad1 = __ballot_sync(0xffffffffu, probe_hit(probe[1]));
+    if ((bad0 | bad1) != 0u) {
+      const int row16 = warp_row0 + mi * 16;
+      recompute_rows<Tr::kDtype, Tr::kHeadDim, kBlockN, typename Tr::Tiles>(
+          p, b, h, m_block, m0 + row16, bad0, bad1,
+          [&](int r, int col, uint32_t packed) { *staged(row16 + r, col) = packed; });
     }
   }
   __syncthreads();
