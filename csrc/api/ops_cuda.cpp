@@ -49,15 +49,21 @@ template <Variant kVariant>
 void launch_flash(const AttnFwdParams& params, const FlashPlan& plan, const QkvShape& s, const char* what) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   check_grid(s, plan.tile.block_m);
-  // The Hopper kernel's dynamic tile scheduler counts from zero (a stream-ordered allocation,
-  // freed back to the same stream once the launch is queued).
+  // The Hopper kernel's scratch (a stream-ordered allocation, freed back to the same stream once
+  // the launch is queued): its dynamic tile scheduler's counter, which counts from zero, then one
+  // 16-byte record per (query tile, consumer warp) for rows whose output is not finite.
   AttnFwdParams p = params;
-  at::Tensor counter;
-  if (plan.schedule == Schedule::kDynamic) {
-    counter =
-        at::empty({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
-    C10_CUDA_CHECK(cudaMemsetAsync(counter.data_ptr(), 0, sizeof(int32_t), stream));
-    p.tile_counter = counter.data_ptr<int32_t>();
+  at::Tensor scratch;
+  if (plan.core == Core::kHopper) {
+    const int64_t records =
+        int64_t(s.b) * s.h * ((s.lq + plan.tile.block_m - 1) / plan.tile.block_m) * (plan.tile.block_m / 16);
+    scratch = at::empty({4 + 4 * records},
+                        at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
+    p.hidden_records = scratch.data_ptr<int32_t>() + 4;
+    if (plan.schedule == Schedule::kDynamic) {
+      C10_CUDA_CHECK(cudaMemsetAsync(scratch.data_ptr(), 0, sizeof(int32_t), stream));
+      p.tile_counter = scratch.data_ptr<int32_t>();
+    }
   }
   cudaError_t err = cudaErrorInvalidValue;
   switch (plan.core) {

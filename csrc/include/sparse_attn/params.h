@@ -66,6 +66,10 @@ struct AttnFwdParams {
   // Optional zeroed int32 in device memory: CTAs of the persistent Hopper kernel take their next
   // query tile from it (atomicAdd), in tile_of_cta's order. nullptr: a static round-robin.
   int32_t* tile_counter;
+  // Hopper core: scratch for the rows whose output is not finite (hidden_values.cuh), one 16-byte
+  // record per (query tile, consumer warp): num_ctas(block_m) * block_m / 16 int4, 16-byte aligned,
+  // not initialised. Required by the Hopper launcher.
+  int32_t* hidden_records;
 
   // ---- gather (top-k) attention only ----
   const int32_t* __restrict__ indices;  // (B, Hi, Lq, topk), int32; -1 (or out of range) = no key

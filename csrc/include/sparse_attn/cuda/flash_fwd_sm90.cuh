@@ -34,6 +34,7 @@
 #include "sparse_attn/cuda/flash_fwd.h"
 #include "sparse_attn/cuda/flash_mask.cuh"
 #include "sparse_attn/cuda/flash_softmax.cuh"
+#include "sparse_attn/cuda/hidden_values.cuh"
 #include "sparse_attn/cuda/ptx.cuh"
 #include "sparse_attn/cuda/ptx_sm90.cuh"
 #include "sparse_attn/cuda/tma.h"
@@ -49,6 +50,7 @@ struct FlashSm90Args {
   CUtensorMap tma_q, tma_k, tma_v, tma_o;  // tma_o: boxes of kStoreRows rows
   int merge_boundary;     // FlashPlan::merge_boundary (see the kernel)
   int32_t* tile_counter;  // zeroed before the launch (Schedule::kDynamic); nullptr: round-robin
+  int4* hidden_records;   // AttnFwdParams::hidden_records
   // Always 1. Ping-pong (two consumers) and the lazy rescale (head dim 128) are on in every plan,
   // but as kernel arguments rather than compile-time constants: with constants ptxas schedules
   // the head dim 128 kernels 2-4 % slower (docs/PERF_LOG.md, "the plan layer").
@@ -104,6 +106,27 @@ struct FlashSm90Traits {
   static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= kNThreads * kEntryRegs);
 };
 
+// The rows noted in a consumer warp's list of hidden_records (head: its first record), computed
+// again over exactly the keys they see (hidden_values.cuh) and written over the stored output.
+// Out of line, so that the rare code stays out of the kernel's own register allocation (inline it
+// measured the same at head dim 64: docs/PERF_LOG.md, "hidden values", variants 8a and 9).
+template <typename Tr>
+__device__ __noinline__ void fix_noted_rows(const AttnFwdParams& p, const int4* records, int head, int w) {
+  constexpr int kConsumerWarps = 4 * Tr::kConsumers;
+  const int num_m = (p.lq + Tr::kBlockM - 1) / Tr::kBlockM;
+  for (int rec = head; rec >= 0;) {
+    const int4 f = records[rec];  // written by lane 0 of this warp
+    const int tile = rec / kConsumerWarps, fbh = tile / num_m, m_block = tile % num_m;
+    const int fb = fbh / p.h, fh = fbh % p.h, row16 = m_block * Tr::kBlockM + w * 16;
+    auto* o = static_cast<typename ElementOf<Tr::kDtype>::type*>(p.o) + fb * p.o_batch_stride + fh * p.o_head_stride;
+    recompute_rows<Tr::kDtype, Tr::kHeadDim, Tr::kBlockN, typename Tr::Tiles>(
+        p, fb, fh, m_block, row16, uint32_t(f.y), uint32_t(f.z), [&](int r, int col, uint32_t packed) {
+          *reinterpret_cast<uint32_t*>(o + int64_t(row16 + r) * p.o_row_stride + col) = packed;
+        });
+    rec = f.x;
+  }
+}
+
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 1)
     flash_fwd_sm90_kernel(__grid_constant__ const FlashSm90Args args) {
@@ -121,6 +144,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   __shared__ alignas(8) uint64_t barriers[Tr::kBarriers];
   // The scheduler ring: {tile id, batch * heads + head (-1: no tile), query block, key tiles}.
   __shared__ int4 sched[Tr::kSchedSlots];
+  // Per consumer warp: the head of its list of outputs with rows to compute again (-1: none).
+  __shared__ int fix_head[4 * Tr::kConsumers];
   const uint32_t bar_q_full = smem_u32(barriers), bar_q_empty = bar_q_full + 8 * Tr::kQStages;
   const uint32_t bar_k_full = bar_q_empty + 8 * Tr::kQStages, bar_k_empty = bar_k_full + 8 * kStages;
   const uint32_t bar_v_full = bar_k_empty + 8 * kStages, bar_v_empty = bar_v_full + 8 * kStages;
@@ -247,6 +272,18 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const bool lazy = Tr::kLazyRescale && args.lazy_rescale != 0;
   const float max_stale = lazy ? kMaxStale : 0.f;
   if (pingpong && wg == 1) named_barrier_arrive(5, 256);
+  // Hidden NaN / Inf values (hidden_values.cuh): checked at head dim 64 only. At 128 every
+  // placement tried slowed the window kernel by 4-13 % on some shape, this one even where its
+  // branch is never taken (docs/PERF_LOG.md, "hidden values").
+  constexpr bool kCheckHidden = Tr::kHeadDim == 64;
+  if (kCheckHidden && lane == 0) fix_head[wg * 4 + warp] = -1;
+  // Query tiles per (batch, head), for hidden_records' indices: evaluated in the rare branch, not
+  // held in a register across the tile loop.
+  auto num_m = [&]() {
+    int lq = p.lq;
+    asm volatile("" : "+r"(lq));  // not hoisted out of the rare branches
+    return (lq + kBlockM - 1) / kBlockM;
+  };
 
   // The accumulators outlive their tile: a tile's output is written after the next tile's first
   // Q K^T has been issued, under that GEMM (out_m0 < 0: nothing to write).
@@ -271,17 +308,33 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     const int out_b = out_bh / p.h, out_h = out_bh % p.h;
     if (storer) bulk_wait_group<0, true>();
     sync_store_rows();
+    [[maybe_unused]] uint32_t probe[2] = {0u, 0u};  // hidden_values.cuh
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float lse;
       const float inv = finish_row(row_max[0][half], row_sum[0][half], lse);
       const int r = wg * 64 + warp * 16 + g + half * 8;  // row of the tile
 #pragma unroll
-      for (int nd = 0; nd < kDTiles; ++nd)
-        *reinterpret_cast<uint32_t*>(smem_o + (nd / 8) * Tr::kQColBytes + r * 128 +
-                                     (((nd % 8) ^ (r % 8)) * 16) + t * 4) =
-            pack2<Tr::kDtype>(acc_o[0][nd][2 * half] * inv, acc_o[0][nd][2 * half + 1] * inv);
+      for (int nd = 0; nd < kDTiles; ++nd) {
+        const uint32_t packed = pack2<Tr::kDtype>(acc_o[0][nd][2 * half] * inv, acc_o[0][nd][2 * half + 1] * inv);
+        *reinterpret_cast<uint32_t*>(smem_o + (nd / 8) * Tr::kQColBytes + r * 128 + (((nd % 8) ^ (r % 8)) * 16) +
+                                     t * 4) = packed;
+        if constexpr (kCheckHidden) probe[half] = probe_nonfinite<Tr::kDtype>(probe[half], packed);
+      }
       if (t == 0 && out_m0 + r < p.lq) p.lse[(int64_t(out_b) * p.h + out_h) * p.lq + out_m0 + r] = lse;
+    }
+    // Rows whose output is not finite: noted in this warp's list (a record per query tile and
+    // warp), computed again after the last tile (fix_noted_rows). Computing them here, under the
+    // next tile's Q K^T, or anywhere in the tile loop cost 5-15 % (the code's registers; ptxas
+    // serialised the head dim 64 kernels' wgmmas): docs/PERF_LOG.md, "hidden values".
+    if constexpr (kCheckHidden) {
+      const uint32_t bad0 = __ballot_sync(0xffffffffu, probe_hit(probe[0]));
+      const uint32_t bad1 = __ballot_sync(0xffffffffu, probe_hit(probe[1]));
+      if ((bad0 | bad1) != 0u && lane == 0) {
+        const int w = wg * 4 + warp, rec = (out_bh * num_m() + out_m0 / kBlockM) * kConsumerWarps + w;
+        args.hidden_records[rec] = make_int4(fix_head[w], int(bad0), int(bad1), 0);
+        fix_head[w] = rec;
+      }
     }
     fence_proxy_async();
     sync_store_rows();
@@ -501,6 +554,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   if (pv_pending) retire_pending_alone();
   if (out_m0 >= 0) epilogue();
   if (storer) bulk_wait_group<0, false>();         // the staging buffer lives until the stores finish
+  // The noted rows (epilogue), over the outputs the TMA stores have written. With warpgroup
+  // stores the barrier orders the storer's wait before every warp's writes.
+  if constexpr (kCheckHidden) {
+    if (storer) fence_proxy_async_global();
+    sync_store_rows();
+    if (fix_head[wg * 4 + warp] >= 0) fix_noted_rows<Tr>(p, args.hidden_records, fix_head[wg * 4 + warp], wg * 4 + warp);
+  }
   if (pingpong && wg == 0) named_barrier(5, 256);  // warpgroup 1's last arrival
 #else
   __trap();  // not built for sm_90a: the launcher never gets here
@@ -518,14 +578,20 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, const FlashPlan& 
   const int64_t tiles = num_ctas<Tr::kBlockM>(params);
   if (tiles == 0) return cudaSuccess;
   if (tiles > INT_MAX) return cudaErrorInvalidConfiguration;
+  // Record indices of hidden_records fit an int.
+  if (int64_t(params.b) * params.h * ((params.lq + Tr::kBlockM - 1) / Tr::kBlockM) * 4 * Tr::kConsumers > INT_MAX)
+    return cudaErrorInvalidConfiguration;
   // Block-sparse: the kernel's iterator takes mask blocks to be its tiles.
   if (Tr::kBlockSparse && (params.q_block != Tr::kBlockM || params.kv_block != Tr::kBlockN))
     return cudaErrorInvalidValue;
   const bool dynamic = plan.schedule == Schedule::kDynamic;
   if (dynamic && params.tile_counter == nullptr) return cudaErrorInvalidValue;
+  if (params.hidden_records == nullptr || reinterpret_cast<uintptr_t>(params.hidden_records) % 16 != 0)
+    return cudaErrorInvalidValue;
   FlashSm90Args args;
   args.p = params;
   args.tile_counter = dynamic ? params.tile_counter : nullptr;
+  args.hidden_records = reinterpret_cast<int4*>(params.hidden_records);
   args.merge_boundary = plan.merge_boundary;
   args.pingpong = 1;
   args.lazy_rescale = 1;

@@ -1,17 +1,18 @@
 // A row's output depends only on the keys it can see (DESIGN), also when a key it cannot see holds
 // NaN or Inf in its value. In a masked key tile the tensor cores form P V with P = 0 for a hidden
-// key, and 0 x NaN = 0 x Inf = NaN, so such a value would reach every row of the tile. The
-// mma.sync flash kernel (flash_fwd.cuh) keeps its main loop as it is and checks its output
-// instead: NaN propagates through every sum, so a row whose output came out finite received no
-// such term and is exact. A row whose output is not finite (rare: a non-finite value it sees or
-// one it cannot see, or an output past the 16-bit range) is computed again by its warp on the CUDA
-// cores, from the row's LSE (the scores alone decide it: hidden scores are -inf before any product
-// with V) over exactly the keys the iterator says the row sees. A visible NaN or Inf still
-// propagates, a hidden one adds nothing, a row that sees nothing is 0. The check costs one 16-bit
-// FMA per two outputs; the recomputation is slow (a right-padded batch with NaN in every padded
-// key, so that every row of the padded sequences is computed again: 8-36x the clean time at head
-// dim 256 on the H100). The Hopper kernel does not use this yet: every placement
-// tried cost it 5-15 % (docs/PERF_LOG.md, "hidden values").
+// key, and 0 x NaN = 0 x Inf = NaN, so such a value would reach every row of the tile. The flash
+// kernels keep their main loops as they are and check their output instead: NaN propagates
+// through every sum, so a row whose output came out finite received no such term and is exact. A
+// row whose output is not finite (rare: a non-finite value it sees or one it cannot see, or an
+// output past the 16-bit range) is computed again by its warp on the CUDA cores, from the row's
+// LSE (the scores alone decide it: hidden scores are -inf before any product with V) over exactly
+// the keys the iterator says the row sees. A visible NaN or Inf still propagates, a hidden one
+// adds nothing, a row that sees nothing is 0. The check costs one 16-bit FMA per two outputs; the
+// recomputation is slow (a right-padded batch with NaN in every padded key, so that every row of
+// the padded sequences is computed again: 7-36x the clean time on the H100). Used by the mma.sync
+// kernel (flash_fwd.cuh, in its epilogue) and by the Hopper kernel at head dim 64
+// (flash_fwd_sm90.cuh, after its last tile); at head dim 128 every placement tried cost the Hopper
+// kernel 4-13 % on some shape (docs/PERF_LOG.md, "hidden values").
 #pragma once
 
 #include <cmath>

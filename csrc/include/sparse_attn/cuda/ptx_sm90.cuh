@@ -124,6 +124,12 @@ __device__ __forceinline__ void fence_proxy_async() {
   SA_SM90_ASM("fence.proxy.async.shared::cta;\n" :: : "memory");
 }
 
+// This thread's bulk-async (TMA) writes to global memory, waited for, ordered before the generic
+// stores that follow (its own, and through a barrier other threads').
+__device__ __forceinline__ void fence_proxy_async_global() {
+  SA_SM90_ASM("fence.proxy.async.global;\n" :: : "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() { SA_SM90_ASM("wgmma.fence.sync.aligned;\n" :: : "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   SA_SM90_ASM("wgmma.commit_group.sync.aligned;\n" :: : "memory");
