@@ -142,10 +142,18 @@ def measure(length: int, reps: int, mesh, world: int, bw: float) -> dict:
     )
 
 
+def _train(op, inputs, mask, grad):
+    """Forward and backward of op(q, k, v, mask) (the gradients of q, k and v)."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    torch.autograd.grad(op(*leaves, mask), leaves, grad)
+
+
 def measure_sparse(length: int, reps: int) -> list[tuple[str, float, float]]:
     """One GPU's block_sparse_attention against context_parallel_block_sparse_attention on the same
-    mask: Longformer (window 2048, 64 global tokens) and a plain band of 2048 (both 128-token
-    blocks, run by the block kernel); (name, one GPU ms, CP ms) per schedule."""
+    mask (128-token blocks, both run by the block kernel): Longformer (window 2048, 64 global
+    tokens), a plain band of 2048, BigBird (window 2048, 2 global tokens, 3 random blocks per row)
+    and random blocks at 5 %; (name, one GPU ms, CP ms) per schedule, then forward + backward
+    under the schedule the plan picks (method=None)."""
     from sparse_attn import BlockSparseMask, patterns
 
     g = torch.Generator(device="cuda").manual_seed(length)
@@ -157,8 +165,12 @@ def measure_sparse(length: int, reps: int) -> list[tuple[str, float, float]]:
         "band": BlockSparseMask._trusted(
             band.kv_num_blocks, band.kv_indices, band.kv_partial, band.partial_masks, band.seq_lengths, band.block_size
         ),
+        "bigbird": patterns.bigbird(length, 2048, 2, 3, device="cuda"),
+        "random 5%": patterns.random_blocks(length, 0.05, seed=1, device="cuda"),
     }
     ql, kl, vl = (cp.shard_sequence(t) for t in (q, k, v))
+    dout = torch.randn_like(q)
+    dout_l = cp.shard_sequence(dout)
     out = []
     for name, mask in masks.items():
         one = timed(lambda mask=mask: sparse_attn.block_sparse_attention(q, k, v, mask), reps)
@@ -170,6 +182,12 @@ def measure_sparse(length: int, reps: int) -> list[tuple[str, float, float]]:
                 reps,
             )
             out.append((f"{name} {method}", one, t))
+
+        one_fb = timed(lambda mask=mask: _train(sparse_attn.block_sparse_attention, (q, k, v), mask, dout), reps)
+        cp_fb = timed(
+            lambda mask=mask: _train(cp.context_parallel_block_sparse_attention, (ql, kl, vl), mask, dout_l), reps
+        )
+        out.append((f"{name} fwd+bwd", one_fb, cp_fb))
     return out
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -471,125 +471,206 @@ def context_parallel_attention(
     return (out, lse) if return_lse else out
 
 
-def _mask_rows(mask, q0: int, lq: int):
-    """The rows [q0, q0 + lq) of a block-sparse mask (q0 a multiple of its query block) as a mask of
-    (lq, Lk), against the whole sequence's keys."""
-    from .masks import BlockSparseMask
-
-    qb = mask.q_block
-    b0, b1 = q0 // qb, -(-(q0 + lq) // qb)
-    return BlockSparseMask._trusted(
-        mask.kv_num_blocks[:, :, b0:b1],
-        mask.kv_indices[:, :, b0:b1],
-        mask.kv_partial[:, :, b0:b1],
-        mask.partial_masks,
-        (lq, mask.seq_lengths[1]),
-        mask.block_size,
-    )
+def _empty_along(x: torch.Tensor, length: int) -> torch.Tensor:
+    """An empty tensor of x's shape but ``length`` along dim 2, its dimensions in memory in x's
+    order (so that copying x into it moves whole rows, whether x is head- or sequence-major)."""
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost first
+    shape = [*x.shape[:2], length, *x.shape[3:]]
+    return x.new_empty([shape[d] for d in order]).permute([order.index(d) for d in range(x.dim())])
 
 
-class _Exchange(torch.autograd.Function):
-    """Rows (sequence dimension first) sent to and received from every rank by one all-to-all of
-    variable sizes; the backward sends the gradients back the same way."""
+class _WithRowsOfOthers(torch.autograd.Function):
+    """K or V of this rank's shard x (B, Hkv, L_r, D) with rows of the other ranks after it along
+    the sequence, as one tensor in x's memory layout: the shard copied in once, the received rows
+    from one all-to-all of variable sizes (this shard's rows ``send_rows`` going out in the order
+    of ``send_sizes``), straight into place when the sequence is x's outermost dimension.
+    Backward: the shard's gradient, plus the gradients of the rows it sent, returned by their
+    receivers."""
 
     @staticmethod
-    def forward(ctx, x, send_sizes, recv_sizes, group):
-        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
-        out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_sizes, send_sizes, group=group)
-        return out
+    def forward(ctx, x, send_rows, send_sizes, recv_sizes, group):
+        lr = x.shape[2]
+        buf = _empty_along(x, lr + sum(recv_sizes))
+        buf[:, :, :lr].copy_(x)
+        send = x.movedim(2, 0).index_select(0, send_rows)
+        tail = buf[:, :, lr:].movedim(2, 0)
+        if tail.is_contiguous():
+            dist.all_to_all_single(tail, send, recv_sizes, send_sizes, group=group)
+        else:
+            got = torch.empty_like(tail, memory_format=torch.contiguous_format)
+            dist.all_to_all_single(got, send, recv_sizes, send_sizes, group=group)
+            tail.copy_(got)
+        ctx.save_for_backward(send_rows)
+        ctx.sizes, ctx.group, ctx.lr = (send_sizes, recv_sizes), group, lr
+        return buf
 
     @staticmethod
     def backward(ctx, grad):
+        (send_rows,) = ctx.saved_tensors
         send_sizes, recv_sizes = ctx.sizes
-        back = grad.new_empty((sum(send_sizes), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), send_sizes, recv_sizes, group=ctx.group)
-        return back, None, None, None
+        g = grad.movedim(2, 0)
+        back = g.new_empty((sum(send_sizes), *g.shape[1:]))
+        dist.all_to_all_single(back, g[ctx.lr :].contiguous(), send_sizes, recv_sizes, group=ctx.group)
+        mine = g[: ctx.lr].clone(memory_format=torch.contiguous_format)
+        mine.index_add_(0, send_rows, back)
+        return mine.movedim(0, 2), None, None, None, None
 
 
-def _with_rows_of_others(x, send_rows, send_sizes, recv_sizes, group):
-    """x (B, Hkv, L_r, D) with the rows other ranks send appended along the sequence: this shard's
-    rows ``send_rows`` go out, in the order of ``send_sizes`` per rank (one all-to-all,
-    differentiable)."""
-    seq_first = x.movedim(2, 0)  # (L_r, B, Hkv, D)
-    got = _Exchange.apply(seq_first.index_select(0, send_rows), send_sizes, recv_sizes, group)
-    return torch.cat([x, got.movedim(0, 2)], dim=2)
+class _AllShards(torch.autograd.Function):
+    """Every rank's K or V shard x (B, Hkv, L_r, D) in one (B, Hkv, P * L_longest, D) tensor laid
+    out sequence-first, rank by rank (shard r at r * L_longest; a shorter shard's tail is never
+    read): one all-gather into place. Backward: each shard's gradients summed over the ranks and
+    delivered to its owner."""
+
+    @staticmethod
+    def forward(ctx, x, longest, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        lr = x.shape[2]
+        seq = x.movedim(2, 0)
+        buf = x.new_empty((world * longest, *seq.shape[1:]))
+        slot = buf[rank * longest : (rank + 1) * longest]
+        slot[:lr].copy_(seq)
+        if lr < longest:
+            slot[lr:].zero_()
+        if dist.get_backend(group) == dist.Backend.NCCL:
+            dist.all_gather_into_tensor(buf, slot, group=group)  # in place: the input is the own slot
+        else:
+            dist.all_gather(list(buf.split(longest)), slot.clone(), group=group)
+        ctx.group, ctx.lr, ctx.longest = group, lr, longest
+        return buf.movedim(0, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        g = grad.movedim(2, 0).contiguous()
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            mine = g.new_empty((ctx.longest, *g.shape[1:]))
+            dist.reduce_scatter_tensor(mine, g, group=ctx.group)
+        else:
+            dist.all_reduce(g, group=ctx.group)
+            mine = g[rank * ctx.longest : (rank + 1) * ctx.longest]
+        return mine[: ctx.lr].movedim(0, 2), None, None
 
 
 @dataclass(frozen=True)
 class _SparseExchange:
-    """What one rank sends and receives for a mask: the key blocks (global ids) its shard sends to
-    each rank, those it receives from each, and the compact position of every global key block."""
+    """How one rank gets the K/V blocks its rows of a mask touch, for one schedule: the layout of
+    the K/V tensor it attends to (``compact``: the position of every global key block in it, -1 for
+    blocks it does not hold) and what crosses the link. ``"alltoall"``: its own shard, then the
+    blocks it receives from each rank (``send_rows`` of its shard go out, ``send_sizes`` /
+    ``recv_sizes`` rows per rank); ``"allgather"``: every rank's shard, rank by rank."""
 
-    send: list[list[int]]
-    recv: list[list[int]]
-    compact: torch.Tensor  # (nKb,) int32: position in [own shard's blocks, received blocks], -1 unused
-    busiest: float  # the largest share of the other ranks' blocks any rank needs (the same on all ranks)
-    send_rows: torch.Tensor  # (n,) int64: the rows of this rank's shard to send, in send order
+    method: str
+    compact: torch.Tensor  # (nKb,) int32
+    length: int  # tokens of the K/V tensor
+    send_rows: torch.Tensor | None = None  # (n,) int64
+    send_sizes: list[int] | None = None
+    recv_sizes: list[int] | None = None
+    longest: int = 0  # allgather: tokens of the longest shard
+    # This rank's rows of the mask with key blocks renumbered by ``compact``, made on first use and
+    # kept, so that every later call reuses their tensors and the block kernel's CTA schedule.
+    rows: list = field(default_factory=list, compare=False)
+
+    def kv(self, x, group):
+        if self.method == "allgather":
+            return _AllShards.apply(x, self.longest, group)
+        return _WithRowsOfOthers.apply(x, self.send_rows, self.send_sizes, self.recv_sizes, group)
 
 
-def _sparse_exchange(mask, bounds, rank: int, world: int, kv_block: int, dev) -> _SparseExchange:
-    """The key blocks each rank's query chunks touch (read from the mask once on the host; cached
-    on the mask), hence who sends which block to whom."""
-    key = (world, tuple(map(tuple, bounds)), rank)
+def _owned_blocks(bounds, kv_block: int) -> list[list[int]]:
+    """Each rank's key blocks, in its shard's order."""
+    return [[j for off, n in chunks for j in range(off // kv_block, (off + n) // kv_block)] for chunks in bounds]
+
+
+def _needed_blocks(mask, bounds, kv_block: int) -> tuple[list[list[int]], float]:
+    """The other ranks' key blocks each rank's rows touch (read from the mask once on the host;
+    cached on the mask), and the largest share of the others' blocks any rank needs."""
+    cache = mask.__dict__.setdefault("_cp_needed", {})
+    key = tuple(map(tuple, bounds))
+    if key not in cache:
+        qb = mask.q_block
+        counts, idx = mask.kv_num_blocks.cpu(), mask.kv_indices.cpu()
+        owned = _owned_blocks(bounds, kv_block)
+        need = []
+        for r, chunks in enumerate(bounds):
+            blocks = set()
+            for off, n in chunks:
+                rows = slice(off // qb, -(-(off + n) // qb))
+                c, ix = counts[:, :, rows], idx[:, :, rows]
+                live = torch.arange(ix.shape[-1])[None, None, None, :] < c[..., None]
+                blocks |= set(ix[live].unique().tolist())
+            need.append(sorted(blocks - set(owned[r])))
+        busiest = max(len(need[r]) / max(1, mask.num_kv_blocks - len(owned[r])) for r in range(len(bounds)))
+        cache[key] = (need, busiest)
+    return cache[key]
+
+
+def _sparse_exchange(mask, bounds, rank: int, method: str, dev) -> _SparseExchange:
+    """The exchange of ``method`` for this rank (cached on the mask: masks are not modified)."""
+    kb = mask.kv_block
+    key = (tuple(map(tuple, bounds)), rank, method)
     cache = mask.__dict__.setdefault("_cp_exchange", {})
     if key in cache:
         return cache[key]
-    qb = mask.q_block
-    counts = mask.kv_num_blocks.cpu()
-    idx = mask.kv_indices.cpu()
-    owner_of = {}
-    own_blocks = [[] for _ in range(world)]  # each rank's blocks in its shard's order
-    for r, chunks in enumerate(bounds):
-        for off, n in chunks:
-            for j in range(off // kv_block, (off + n) // kv_block):
-                owner_of[j] = r
-                own_blocks[r].append(j)
-    need = []
-    for r, chunks in enumerate(bounds):
-        blocks = set()
-        for off, n in chunks:
-            rows = slice(off // qb, -(-(off + n) // qb))
-            c, ix = counts[:, :, rows], idx[:, :, rows]
-            live = torch.arange(ix.shape[-1])[None, None, None, :] < c[..., None]
-            blocks |= set(ix[live].unique().tolist())
-        need.append(sorted(j for j in blocks if owner_of[j] != r))
-    send = [[j for j in need[r] if owner_of[j] == rank] for r in range(world)]
-    recv = [[j for j in need[rank] if owner_of[j] == s] for s in range(world)]
+    world = len(bounds)
+    owned = _owned_blocks(bounds, kb)
+    lengths = [sum(n for _, n in chunks) for chunks in bounds]
     compact = torch.full((mask.num_kv_blocks,), -1, dtype=torch.int32)
-    order = own_blocks[rank] + [j for s in range(world) for j in recv[s]]
-    compact[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order), dtype=torch.int32)
-    busiest = max(len(need[r]) / max(1, mask.num_kv_blocks - len(own_blocks[r])) for r in range(world))
-    local_pos = {  # a block of this rank's shard -> its first row in the shard
-        j: at + (j * kv_block - off)
-        for off, at, n in _local_chunks(bounds[rank])
-        for j in range(off // kv_block, (off + n) // kv_block)
-    }
-    firsts = torch.tensor([local_pos[j] for r in range(world) for j in send[r]], dtype=torch.long)
-    send_rows = (firsts[:, None] + torch.arange(kv_block)).flatten()
-    ex = _SparseExchange(send, recv, compact.to(dev), busiest, send_rows.to(dev))
+    if method == "allgather":
+        longest = max(lengths)
+        for r in range(world):
+            compact[torch.tensor(owned[r], dtype=torch.long)] = torch.arange(len(owned[r]), dtype=torch.int32) + r * (
+                longest // kb
+            )
+        ex = _SparseExchange(method, compact.to(dev), world * longest, longest=longest)
+    else:
+        need, _ = _needed_blocks(mask, bounds, kb)
+        owner_of = {j: r for r in range(world) for j in owned[r]}
+        send = [[j for j in need[r] if owner_of[j] == rank] for r in range(world)]
+        recv = [[j for j in need[rank] if owner_of[j] == s] for s in range(world)]
+        order = owned[rank] + [j for s in range(world) for j in recv[s]]
+        compact[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order), dtype=torch.int32)
+        first = {j: i * kb for i, j in enumerate(owned[rank])}  # a block of this shard -> its first row
+        firsts = torch.tensor([first[j] for r in range(world) for j in send[r]], dtype=torch.long)
+        send_rows = (firsts[:, None] + torch.arange(kb)).flatten()
+        recv_sizes = [len(recv[s]) * kb for s in range(world)]
+        ex = _SparseExchange(
+            method,
+            compact.to(dev),
+            lengths[rank] + sum(recv_sizes),
+            send_rows=send_rows.to(dev),
+            send_sizes=[len(send[r]) * kb for r in range(world)],
+            recv_sizes=recv_sizes,
+        )
     cache[key] = ex
     return ex
 
 
-def _compact_rows(mask, q0: int, lq: int, compact: torch.Tensor, lk: int):
-    """The rows [q0, q0 + lq) of the mask with key blocks renumbered into the compact K/V (each row's
-    list re-sorted ascending, its partial-mask entries moved along)."""
+def _local_rows(mask, chunks, ex: _SparseExchange):
+    """This rank's rows of the mask (its chunks' query blocks, in shard order) against the
+    exchange's K/V layout: key blocks renumbered by ``ex.compact``, each row's list re-sorted
+    ascending with its partial-mask entries moved along. Made once per exchange."""
     from .masks import BlockSparseMask
 
+    if ex.rows:
+        return ex.rows[0]
     qb = mask.q_block
-    b0, b1 = q0 // qb, -(-(q0 + lq) // qb)
-    cnt = mask.kv_num_blocks[:, :, b0:b1]
-    idx = mask.kv_indices[:, :, b0:b1]
-    part = mask.kv_partial[:, :, b0:b1]
+    spans = [slice(off // qb, -(-(off + n) // qb)) for off, n in chunks]
+    cnt = torch.cat([mask.kv_num_blocks[:, :, s] for s in spans], dim=2)
+    idx = torch.cat([mask.kv_indices[:, :, s] for s in spans], dim=2)
+    part = torch.cat([mask.kv_partial[:, :, s] for s in spans], dim=2)
     live = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]
-    new = torch.where(live, compact[idx.long()], torch.iinfo(torch.int32).max)
+    big = torch.iinfo(torch.int32).max
+    new = torch.where(live, ex.compact[idx.long()], big)
     new, order = new.sort(-1)
     part = part.gather(-1, order)
-    new = torch.where(new == torch.iinfo(torch.int32).max, 0, new).to(torch.int32)
-    return BlockSparseMask._trusted(
-        cnt, new.contiguous(), part.contiguous(), mask.partial_masks, (lq, lk), mask.block_size
+    new = torch.where(new == big, 0, new).to(torch.int32)
+    lq = sum(n for _, n in chunks)
+    rows = BlockSparseMask._trusted(
+        cnt.contiguous(), new.contiguous(), part.contiguous(), mask.partial_masks, (lq, ex.length), mask.block_size
     )
+    ex.rows.append(rows)
+    return rows
 
 
 @_with_dtensors
@@ -611,8 +692,10 @@ def context_parallel_block_sparse_attention(
     blocks its rows touch (one all-to-all of K and one of V, differentiable): communication
     proportional to the blocks touched. ``"allgather"``: K and V gathered whole, cheaper in copies
     when some rank needs most blocks anyway (global tokens). None: all-to-all unless some rank needs
-    more than half of the others' blocks. Which blocks go where is read from the mask on the host
-    once and kept with the mask.
+    more than half of the others' blocks. One kernel call covers all of this rank's rows, against
+    K and V laid out as the schedule says (this shard, then what it receives). Which blocks go where,
+    and this rank's rows of the mask renumbered to that layout, are made on the host once and kept
+    with the mask (a mask is not modified).
     The chunks of ``layout`` must start at multiples of the mask's blocks and L be a multiple of
     the key block (e.g. L a multiple of 2P * 128 for the zigzag layout and 128-token blocks).
 
@@ -636,43 +719,24 @@ def context_parallel_block_sparse_attention(
             f"{seq_len} tokens over {world} ranks gives it {mine}"
         )
     starts = [off for chunks in bounds for off, _ in chunks]
-    if any(off % mask.q_block for off in starts):
+    if any(off % max(mask.block_size) for off in starts):
         raise ValueError(
-            f"every chunk must start at a multiple of the mask's query block ({mask.q_block}): "
+            f"every chunk must start at a multiple of the mask's blocks ({max(mask.block_size)}): "
             f"the {layout} layout of {seq_len} tokens over {world} ranks starts chunks at {sorted(starts)}"
         )
     kb = mask.kv_block
     if seq_len % kb:
         raise ValueError(f"the sequence length ({seq_len}) must be a multiple of the mask's key block ({kb})")
-    # Only the key blocks this rank's rows touch cross the link: each rank sends the blocks of its
-    # shard that others need (one all-to-all of K and one of V, differentiable).
-    ex = _sparse_exchange(mask, bounds, rank, world, kb, query.device)
     if method not in (None, "alltoall", "allgather"):
         raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
-    if method == "allgather" or (method is None and ex.busiest > 0.5):
-        k_all, v_all = _gather(key, bounds, group, 2), _gather(value, bounds, group, 2)
-        outs, lses = [], []
-        for qo, qs, lq in _local_chunks(bounds[rank]):
-            o, lse = block_sparse_attention(
-                query[:, :, qs : qs + lq], k_all, v_all, _mask_rows(mask, qo, lq), scale=scale, return_lse=True
-            )
-            outs.append(o)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-        return (out, lse) if return_lse else out
-    send_sizes = [len(ex.send[r]) * kb for r in range(world)]
-    recv_sizes = [len(ex.recv[s]) * kb for s in range(world)]
-
-    k_all, v_all = (_with_rows_of_others(x, ex.send_rows, send_sizes, recv_sizes, group) for x in (key, value))
-    outs, lses = [], []
-    for qo, qs, lq in _local_chunks(bounds[rank]):
-        rows_mask = _compact_rows(mask, qo, lq, ex.compact, k_all.shape[2])
-        o, lse = block_sparse_attention(
-            query[:, :, qs : qs + lq], k_all, v_all, rows_mask, scale=scale, return_lse=True
-        )
-        outs.append(o)
-        lses.append(lse)
-    out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    chunks = bounds[rank]
+    if method is None:
+        method = "allgather" if _needed_blocks(mask, bounds, kb)[1] > 0.5 else "alltoall"
+    # One call over all of this rank's rows: K and V laid out as the exchange says (this shard,
+    # then the blocks received; or every shard), the mask's rows renumbered to that layout.
+    ex = _sparse_exchange(mask, bounds, rank, method, query.device)
+    k_all, v_all = ex.kv(key, group), ex.kv(value, group)
+    out, lse = block_sparse_attention(query, k_all, v_all, _local_rows(mask, chunks, ex), scale=scale, return_lse=True)
     return (out, lse) if return_lse else out
 
 
@@ -818,7 +882,7 @@ def context_parallel_topk_attention(
     else:
         to_send, send_sizes, recv_sizes, got_pos = _fetch_rows(needed, owner, row, rank, world, group)
 
-        k_all, v_all = (_with_rows_of_others(x, to_send, send_sizes, recv_sizes, group) for x in (key, value))
+        k_all, v_all = (_WithRowsOfOthers.apply(x, to_send, send_sizes, recv_sizes, group) for x in (key, value))
         # Compact position of every global position this rank now holds: its shard's rows, then the
         # received rows in arrival order.
         compact = torch.full((seq_len,), -1, dtype=torch.int64, device=query.device)

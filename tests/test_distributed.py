@@ -85,6 +85,7 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
             _topk_cases(rank, world, errors)
             _mesh_cases(rank, world, errors)
         else:
+            _block_sparse_case(rank, world, errors, device, dtype, tol, scale_len=16)
             _topk_cases(rank, world, errors, device, dtype, tol, scale_len=16)
     except Exception:  # noqa: BLE001  (reported to the test process)
         errors.put(f"rank {rank}: {traceback.format_exc()}")
@@ -99,26 +100,39 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
     os._exit(0)
 
 
-def _block_sparse_case(rank, world, errors):
-    """A global Longformer-style mask (window + global tokens) over 2P * 64-token chunks."""
+def _block_sparse_case(rank, world, errors, device="cpu", dtype=torch.float32, tol=1e-4, scale_len=1):
+    """Global masks over 2P chunks: Longformer-style (window + global tokens, 64-token blocks), a
+    causal band of 128-token blocks, and random blocks with 64-row query blocks against 128-key
+    blocks; every schedule, each called twice (the second reuses the layout and rows kept with the
+    mask), outputs, LSEs and gradients against the single-process op."""
     from sparse_attn import patterns
 
-    length = 2 * world * 64 * 2
     g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, 2, length, 32, generator=g) for _ in range(3))
-    dout = torch.randn(1, 2, length, 32, generator=g)
-    mask = patterns.longformer(length, 48, range(8), block_size=64)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = sparse_attn.block_sparse_attention(*full, mask)
-    ref_grads = torch.autograd.grad(ref, full, dout)
-    for method in ("alltoall", "allgather", None):
-        local = [cp.shard_sequence(t).requires_grad_() for t in (q, k, v)]
-        out = cp.context_parallel_block_sparse_attention(*local, mask, method=method)
-        grads = torch.autograd.grad(out, local, cp.shard_sequence(dout))
-        for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
-            err = (got - cp.shard_sequence(exp.detach())).abs().max().item()
-            if not err <= 1e-4:
-                errors.put(f"rank {rank} block-sparse {method}: {name} max error {err:.2e}")
+    cases = [
+        ("longformer", 2 * world * 128, lambda n: patterns.longformer(n, 48, range(8), block_size=64)),
+        ("band", 2 * world * 256, lambda n: patterns.sliding_window(n, (200, 0), block_size=128)),
+        ("random", 2 * world * 256, lambda n: patterns.random_blocks(n, 0.3, seed=3, block_size=(64, 128))),
+    ]
+    d = 32 if device == "cpu" else 64
+    for name, length, build in cases:
+        length *= scale_len
+        q, k, v = (torch.randn(1, 2, length, d, generator=g).to(device, dtype) for _ in range(3))
+        dout = torch.randn(1, 2, length, d, generator=g).to(device, dtype)
+        mask = build(length).to(device)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref, ref_lse = sparse_attn.block_sparse_attention(*full, mask, return_lse=True)
+        ref_grads = torch.autograd.grad(ref, full, dout)
+        for method in ("alltoall", "allgather", None, "alltoall"):
+            local = [cp.shard_sequence(t).requires_grad_() for t in (q, k, v)]
+            out, lse = cp.context_parallel_block_sparse_attention(*local, mask, method=method, return_lse=True)
+            grads = torch.autograd.grad(out, local, cp.shard_sequence(dout))
+            pairs = zip(("out", "dq", "dk", "dv", "lse"), (out, *grads, lse), (ref, *ref_grads, ref_lse), strict=True)
+            for what, got, exp in pairs:
+                exp = cp.shard_sequence(exp.detach()).float()
+                got = got.float()
+                err = torch.where(got == exp, 0.0, got - exp).abs().max().item()  # a row of no key: -inf both
+                if not err <= tol * max(1.0, exp.nan_to_num(0, 0, 0).abs().max().item()):
+                    errors.put(f"rank {rank} block-sparse {name} {method}: {what} max error {err:.2e}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
