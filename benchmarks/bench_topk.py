@@ -18,6 +18,15 @@ score through the workspace) in the same run, `sel / attn` = (score + select) / 
 <= 0.5), `attn` the gathered attention, `e2e` topk_attention end to end; `vs flash` = dense
 causal flash time / e2e; `peak MiB` = memory e2e allocates, outputs included, against `L·k` =
 the int32 index tensor (the O(L·k) check).
+
+Accuracy next to speed (`--no-accuracy` skips it): `recall` and `recall p01` are the mean and 1st
+percentile over every query row of the share of its dense softmax probability that the selection
+covers, `rel. err` the output's Frobenius relative error against dense causal flash_attention
+(`sparse_attn.analysis.evaluate`, scores in fp32). `--data random` (default: independent Gaussians,
+the worst case; the indexer's inputs are drawn independently of q and k, so its selection knows
+nothing of the attention) or `--data structured` (`analysis.structured_qkv`: local attention plus
+heavy hitters, and `analysis.structured_indexer`: an indexer that approximates q.k, as a trained
+one does).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from functools import partial
 import torch
 
 import sparse_attn
+from sparse_attn import analysis
 from sparse_attn._plan import overrides
 from sparse_attn._routes import block_kernel as _run_block_sparse
 from sparse_attn._routes import block_topk_mask as _block_topk_mask
@@ -68,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--di", type=int, default=64)
     ap.add_argument("--block-density", type=float, default=0.1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--data", choices=["random", "structured"], default="random")
+    ap.add_argument("--no-accuracy", dest="accuracy", action="store_false", help="timing only")
     ap.add_argument("--markdown", default=None, help="also write the tables to this file")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -82,17 +94,24 @@ def main(argv: list[str] | None = None) -> int:
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    head = f"# top-k attention, {name}, {dtype}, B=1 H={h} D={d} HI={args.hi} DI={args.di}, causal"
+    head = f"# top-k attention, {name}, {dtype}, B=1 H={h} D={d} HI={args.hi} DI={args.di}, causal, {args.data} data"
     lines = [head + f", torch {torch.__version__}", f"# {datetime.datetime.now():%Y-%m-%d %H:%M}", ""]
     token_rows, block_rows = [], []
     for length in lengths:
         for hkv in args.hkv:
-            inputs = dict(
-                q=rnd(1, h, length, d), k=rnd(1, hkv, length, d), v=rnd(1, hkv, length, d),
-                iq=rnd(1, length, args.hi, args.di), ik=rnd(1, length, args.di),
-                iw=torch.rand(1, length, args.hi, generator=gen, device=device).to(dtype),
-            )  # fmt: skip
-            t, b = measure_length(inputs, ks, args.block_density, device)
+            if args.data == "structured":
+                q, k, v = analysis.structured_qkv(1, h, length, d, dtype=dtype, device=device)
+                k, v = k[:, :hkv].contiguous(), v[:, :hkv].contiguous()
+                iq, ik, iw = analysis.structured_indexer(q, k, index_heads=args.hi, index_dim=args.di)
+                inputs = dict(q=q, k=k, v=v, iq=iq, ik=ik, iw=iw)
+                del q, k, v, iq, ik, iw
+            else:
+                inputs = dict(
+                    q=rnd(1, h, length, d), k=rnd(1, hkv, length, d), v=rnd(1, hkv, length, d),
+                    iq=rnd(1, length, args.hi, args.di), ik=rnd(1, length, args.di),
+                    iw=torch.rand(1, length, args.hi, generator=gen, device=device).to(dtype),
+                )  # fmt: skip
+            t, b = measure_length(inputs, ks, args.block_density, device, args.accuracy)
             token_rows += t
             block_rows += b
             del inputs
@@ -116,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure_length(x: dict, ks: list[int], block_density: float, device: torch.device):
+def measure_length(x: dict, ks: list[int], block_density: float, device: torch.device, accuracy: bool = True):
     """The token-mode rows (one per k) and the block-mode row of one set of inputs."""
     q, k, v, iq, ik, iw = (x[n] for n in ("q", "k", "v", "iq", "ik", "iw"))
     cuda = device.type == "cuda"
@@ -128,6 +147,15 @@ def measure_length(x: dict, ks: list[int], block_density: float, device: torch.d
             cudnn_ms = time_ms(partial(run_sdpa, q, k, v, sdpa_backends(device)["sdpa-cudnn"], causal=True), device)
         except RuntimeError as e:  # not every build/shape has it
             print(f"sdpa-cudnn unavailable: {e}", file=sys.stderr)
+    dense = sparse_attn.flash_attention(q, k, v, causal=True) if accuracy else None
+
+    def quality(method) -> dict:
+        """Recall and output error of one method on these inputs (NaN when not measured)."""
+        if not accuracy:
+            return dict(recall=math.nan, recall_p01=math.nan, rel_err=math.nan)
+        r = analysis.evaluate(q, k, v, method, causal=True, reference=dense)
+        return dict(recall=r.recall_mean, recall_p01=r.recall_p01, rel_err=r.rel_error)
+
     token_rows = []
     for kk in ks:
         sel = partial(torch.ops.sparse_attn.indexer_select, iq, ik, iw, kk, True)
@@ -144,7 +172,8 @@ def measure_length(x: dict, ks: list[int], block_density: float, device: torch.d
         token_rows.append(
             dict(L=length, hkv=hkv, k=kk, score=score, select=split.get("all", sel_ms) - (score if cuda else 0.0),
                  unfiltered=unfiltered_ms, sel=sel_ms, attn=attn_ms, e2e=e2e_ms, flash=flash_ms, cudnn=cudnn_ms,
-                 peak=peak_extra_bytes(e2e, device), idx_bytes=idx.numel() * 4)
+                 peak=peak_extra_bytes(e2e, device), idx_bytes=idx.numel() * 4,
+                 **quality(("indexer", kk, iq, ik, iw)))
         )  # fmt: skip
         print(_token_line(token_rows[-1]), flush=True)
         del idx
@@ -154,16 +183,20 @@ def measure_length(x: dict, ks: list[int], block_density: float, device: torch.d
     score_ms = time_ms(partial(_block_topk_mask, q, k, kb, 128, True), device)
     bs_ms = time_ms(partial(_run_block_sparse, q, k, v, mask, d**-0.5), device)
     e2e_ms = time_ms(partial(sparse_attn.topk_attention, q, k, v, kb, block_size=128, causal=True), device)
-    block = dict(L=length, hkv=hkv, k=kb, score=score_ms, bs=bs_ms, e2e=e2e_ms, flash=flash_ms)
+    block = dict(L=length, hkv=hkv, k=kb, score=score_ms, bs=bs_ms, e2e=e2e_ms, flash=flash_ms,
+                 **quality(("block", kb, 128)))  # fmt: skip
     print(_block_line(block), flush=True)
     return token_rows, [block]
 
 
 _TOKEN_HEAD = (
     "| L | Hkv | k | score ms | select ms | unfiltered ms | sel / attn | attn ms | e2e ms | flash causal ms "
-    "| cuDNN causal ms | vs flash | peak MiB | L·k MiB |"
+    "| cuDNN causal ms | vs flash | peak MiB | L·k MiB | recall | recall p01 | rel. err |"
 )
-_BLOCK_HEAD = "| L | Hkv | k blocks | score+select ms | block-sparse ms | e2e ms | e2e / (score + bs) | vs flash |"
+_BLOCK_HEAD = (
+    "| L | Hkv | k blocks | score+select ms | block-sparse ms | e2e ms | e2e / (score + bs) | vs flash "
+    "| recall | recall p01 | rel. err |"
+)
 
 
 def _sep(head: str) -> str:
@@ -175,14 +208,18 @@ def _token_line(r) -> str:
     return (
         f"| {r['L']} | {r['hkv']} | {r['k']} | {r['score']:.3f} | {r['select']:.3f} | {r['unfiltered']:.3f} "
         f"| {r['sel'] / r['attn']:.2f} | {r['attn']:.3f} | {r['e2e']:.3f} | {r['flash']:.3f} | {r['cudnn']:.3f} "
-        f"| {r['flash'] / r['e2e']:.2f} | {peak} | {r['idx_bytes'] / 2**20:.0f} |"
+        f"| {r['flash'] / r['e2e']:.2f} | {peak} | {r['idx_bytes'] / 2**20:.0f} | {_quality(r)} |"
     )
+
+
+def _quality(r) -> str:
+    return f"{r['recall']:.4f} | {r['recall_p01']:.4f} | {r['rel_err']:.3g}"
 
 
 def _block_line(r) -> str:
     return (
         f"| {r['L']} | {r['hkv']} | {r['k']} | {r['score']:.3f} | {r['bs']:.3f} | {r['e2e']:.3f} "
-        f"| {r['e2e'] / (r['score'] + r['bs']):.2f} | {r['flash'] / r['e2e']:.2f} |"
+        f"| {r['e2e'] / (r['score'] + r['bs']):.2f} | {r['flash'] / r['e2e']:.2f} | {_quality(r)} |"
     )
 
 

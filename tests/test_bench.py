@@ -38,12 +38,16 @@ def test_time_rounds_on_the_cpu():
     assert set(times) == {"mm", "add"} and all(len(v) == 2 and min(v) > 0 for v in times.values())
 
 
-def _bench_block_sparse():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_block_sparse.py"
-    spec = importlib.util.spec_from_file_location("bench_block_sparse", path)
+def _load_benchmark(name: str):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_block_sparse():
+    return _load_benchmark("bench_block_sparse")
 
 
 @pytest.mark.parametrize("length", [1536, 4500])
@@ -96,11 +100,28 @@ def test_main_job_writes_summary_csv_json_and_plots(tmp_path, capsys):
 
 @pytest.mark.parametrize("script", ["bench_flash.py", "bench_block_sparse.py"])
 def test_gpu_benchmarks_without_cuda_exit_with_a_message(monkeypatch, capsys, script):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
-    spec = importlib.util.spec_from_file_location(script[:-3], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_benchmark(script[:-3])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert module.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     assert bench.main(["--device", "cuda"]) == 2
+
+
+def test_topk_benchmark_reports_accuracy_next_to_speed(capsys):
+    """bench_topk on the CPU: each row carries the selection's softmax-mass recall and output error.
+    On structured data (an indexer that approximates q.k) the recall is high and grows with k; on
+    random data (an indexer drawn independently of q and k) the same k recovers less."""
+    bench_topk = _load_benchmark("bench_topk")
+
+    def rows(data):
+        assert bench_topk.main(["--device", "cpu", "--lengths", "512", "--ks", "32", "128", "--data", data]) == 0
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 512 |")]
+        token, block = lines[3:5], lines[5]  # the rows as measured (3), then the final tables (3)
+        recall = [float(ln.split("|")[-4]) for ln in token]
+        return recall, float(block.split("|")[-4]), [float(ln.split("|")[-2]) for ln in token]
+
+    recall_s, block_s, err_s = rows("structured")
+    recall_r, _, _ = rows("random")
+    assert 0.0 < recall_s[0] < recall_s[1] <= 1.0 and 0.0 < block_s <= 1.0
+    assert recall_r[0] < recall_s[0] and recall_r[1] < recall_s[1]
+    assert err_s[1] < err_s[0] and all(e >= 0 for e in err_s)

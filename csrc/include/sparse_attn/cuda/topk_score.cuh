@@ -6,10 +6,10 @@
 // quad of threads; each of them sees a quarter of the keys and keeps its count in a register: no
 // atomics, no exchange), the rest dropped on chip.
 //
-// Per CTA: one 64-row query tile (4 warps x 16 rows) and every n_splits-th of its visible key
-// tiles (params.n_splits CTAs per query tile, so that a chunk of few tiles still fills the GPU;
-// interleaved, so that the splits' shares of a causal tile, and of any cluster of high scores,
-// are alike).
+// Per CTA: one 64-row query tile (4 warps x 16 rows) and one of every n_splits consecutive key
+// tiles it sees (params.n_splits CTAs per query tile, so that a chunk of few tiles still fills the
+// GPU; interleaved, with the choice rotated from group to group, so that the splits' shares of a
+// causal tile, of any cluster of high scores and of any periodic pattern of them are alike).
 // Exact mode: score = q_h . k_hk. Lightning indexer: score = sum_j w[t, j] * relu(qi[t, j] . ki),
 // the HI query heads of the tile kept in shared memory, four of them per pass over a key slice so
 // that each K fragment serves four heads. Products accumulate in fp32, as in the CUDA-core path;
@@ -103,7 +103,15 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? 4 : 1)
   // Iterations: key tiles, or in the sample's mode tiles stride - 1 + stride * it.
   const int stride = kMode == 1 ? sample_tile_stride(p.filter_stride, n_kt) : 1;
   const int n_it = n_kt / stride;
-  const int my_n = n_it > split ? (n_it - split + p.n_splits - 1) / p.n_splits : 0;  // this CTA's
+  // This CTA's i-th tile: one of every n_splits consecutive ones, which one rotated from group to
+  // group by a hash of the group. (A fixed split + i * n_splits sent every high score of a row to
+  // one split's slice of its candidates, and the row to the fallback, whenever the scores had a
+  // period of n_splits tiles: a position component of that wavelength.)
+  auto tile_of = [&](int i) {
+    return i * p.n_splits + int((unsigned(split) + ((unsigned(i) * 2654435761u) >> 16)) % unsigned(p.n_splits));
+  };
+  const int groups = n_it / p.n_splits;
+  const int my_n = groups + (tile_of(groups) < n_it ? 1 : 0);  // tiles of this CTA
   if (my_n == 0) {
     if (kMode == 2 && tid < kBM)  // its slices are empty
       p.cand_count[((tile - p.tile_begin) * kBM + tid) * p.n_splits + split] = 0;
@@ -160,7 +168,7 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? 4 : 1)
         },
         kbase, d_valid, tid);
   };
-  load_k(0, split);
+  load_k(0, tile_of(0));
   cp_async_commit();
 
   const int r8 = lane % 8;
@@ -251,11 +259,11 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? 4 : 1)
   };
 
   for (int i = 0; i < my_n; ++i) {
-    const int kt = split + i * p.n_splits, stage = i % 2;
+    const int kt = tile_of(i), stage = i % 2;
     cp_async_wait<0>();
     if constexpr (kWgmma) fence_proxy_async();  // cp.async's writes, next read by wgmma
     __syncthreads();  // K[kt] (and Q, W) landed; every warp is done with the other stage
-    if (i + 1 < my_n) load_k(stage ^ 1, kt + p.n_splits);
+    if (i + 1 < my_n) load_k(stage ^ 1, tile_of(i + 1));
     cp_async_commit();
     const uint32_t k_base = sK + stage * L::kKBytes + swz<kChunks>((lane / 16) * 8 + r8, (lane / 8) % 2);
 
