@@ -110,6 +110,39 @@ def test_topk_modes_with_every_key_equal_dense(mode):
 
 
 @torch.no_grad()
+def test_topk_mode_on_a_right_padded_batch_equals_each_sequence_alone():
+    """mode='topk' with the model's padding mask (right padding): each sequence's rows select among
+    its own keys (key_lengths), so its logits equal the sequence run alone, unpadded."""
+    ours = _model()
+    sa_hf.configure(ours, mode="topk", k=6, sinks=1)
+    ids = _ids(b=3, length=40)
+    lengths = [40, 23, 9]
+    attention = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        attention[b, :n] = 1
+    batch = ours(ids, attention_mask=attention).logits
+    for b, n in enumerate(lengths):
+        alone = ours(ids[b : b + 1, :n]).logits[0]
+        torch.testing.assert_close(batch[b, :n], alone, atol=2e-5, rtol=2e-5)
+    # The padding is used: without the mask the rows past a sequence's end would see the pad keys.
+    assert not torch.allclose(ours(ids).logits[2, 9:], batch[2, 9:], atol=1e-3)
+
+
+def test_right_padding_is_read_from_the_mask_exactly():
+    lens = torch.tensor([6, 3])
+    j = torch.arange(6)
+    keys = j < lens[:, None, None]  # (B, 1, Lk)
+    causal = (keys & (j <= torch.arange(4)[:, None] + 2))[:, None]  # Lq = 4 rows, bottom-right
+    got, is_causal = sa_hf._right_padding(causal)
+    assert got.tolist() == [6, 3] and is_causal
+    got, is_causal = sa_hf._right_padding(keys[:, None].expand(2, 1, 4, 6).clone())  # bidirectional
+    assert got.tolist() == [6, 3] and not is_causal
+    left = causal.clone()
+    left[1, 0, :, 0] = False  # a hidden first key: left padding, not representable by lengths
+    assert sa_hf._right_padding(left) is None
+
+
+@torch.no_grad()
 def test_per_layer_modes_and_switching_at_run_time():
     ours, ref = _pair()
     ids = _ids(length=64)
@@ -150,8 +183,8 @@ def test_bad_settings_and_unsupported_inputs_raise():
     ids = _ids(length=20)
     attention = torch.ones_like(ids)
     attention[0, :4] = 0
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="does not take the model's attention mask"):
-        ours(ids, attention_mask=attention)
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="does not take this attention mask"):
+        ours(ids, attention_mask=attention)  # left padding: top-k takes right-padded batches only
 
 
 @pytest.mark.parametrize("lq,lk", [(70, 70), (1, 90), (5, 130)])

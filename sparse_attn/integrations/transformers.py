@@ -10,7 +10,8 @@ Each attention layer of the model then calls :func:`attention_forward`, which ru
 mode (:class:`LayerConfig`) with sparse_attn's ops: GQA without repeating K/V, bottom-right causal
 (so prefill and KV-cache decode both work), the output already in the (B, L, H, D) layout the
 layer's projection reads. A padding or other boolean mask from the model is honoured exactly
-(a block-sparse mask of its elements, converted once per forward); an additive float mask
+(a block-sparse mask of its elements, converted once per forward; in mode ``topk`` a right-padded
+batch's mask, read as per-sequence key lengths, and no other); an additive float mask
 (e.g. a position bias) goes to ``dense_attention``. Dropout is not supported (inference and
 dropout-free training only).
 """
@@ -101,22 +102,50 @@ def _layer_config(module) -> LayerConfig:
     return LayerConfig(**settings["layers"].get(str(getattr(module, "layer_idx", None)), settings["base"]))
 
 
-# Boolean masks converted so far: transformers hands every layer the same mask tensor in a
-# forward, so it is converted once. By tensor id, checked against a weak reference (a tensor is no
-# dictionary key: == compares elements) and its version counter (an in-place change converts
-# again); entries whose tensor is gone are dropped as new ones come.
-_CONVERTED: dict[int, tuple[weakref.ref, int, BlockSparseMask]] = {}
+# What was made from boolean masks so far: transformers hands every layer the same mask tensor in
+# a forward, so each is converted once. By (tensor id, kind), checked against a weak reference (a
+# tensor is no dictionary key: == compares elements) and its version counter (an in-place change
+# converts again); entries whose tensor is gone are dropped as new ones come.
+_CONVERTED: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
 
 
-def _block_mask(mask: torch.Tensor) -> BlockSparseMask:
-    hit = _CONVERTED.get(id(mask))
+def _per_mask(mask: torch.Tensor, kind: str, make):
+    """make(mask), kept per (mask tensor, kind) while the tensor lives and is not changed."""
+    hit = _CONVERTED.get((id(mask), kind))
     if hit is not None and hit[0]() is mask and hit[1] == mask._version:
         return hit[2]
     for key in [k for k, v in _CONVERTED.items() if v[0]() is None]:
         del _CONVERTED[key]
-    converted = BlockSparseMask.from_element_mask(mask.expand(mask.shape[0], 1, *mask.shape[2:]), block_size=64)
-    _CONVERTED[id(mask)] = (weakref.ref(mask), mask._version, converted)
-    return converted
+    made = make(mask)
+    _CONVERTED[(id(mask), kind)] = (weakref.ref(mask), mask._version, made)
+    return made
+
+
+def _block_mask(mask: torch.Tensor) -> BlockSparseMask:
+    return _per_mask(
+        mask,
+        "blocks",
+        lambda m: BlockSparseMask.from_element_mask(m.expand(m.shape[0], 1, *m.shape[2:]), block_size=64),
+    )
+
+
+def _right_padding(mask: torch.Tensor):
+    """(key lengths (B,) int32, causal) when the model's boolean mask (B, 1|H, Lq, Lk) is exactly
+    causal attention (bottom-right aligned) or full attention, with each sequence's keys cut at a
+    length (a right-padded batch); None for any other mask (left padding, holes, patterns)."""
+
+    def detect(m):
+        lq, lk = m.shape[-2:]
+        lens = m[:, 0, -1].sum(-1)  # the last row sees every key below its sequence's length
+        j = torch.arange(lk, device=m.device)
+        keys = j < lens[:, None, None]  # (B, 1, Lk)
+        for causal in (True, False):
+            expect = keys & (j <= torch.arange(lq, device=m.device)[:, None] + (lk - lq)) if causal else keys
+            if torch.equal(m, expect[:, None].expand(m.shape)):
+                return lens.to(torch.int32), causal
+        return None
+
+    return _per_mask(mask, "right padding", detect)
 
 
 def _window_mask(lq: int, lk: int, config: LayerConfig, device) -> torch.Tensor:
@@ -176,10 +205,16 @@ def attention_forward(
         elif mode == "pattern":  # the pattern within the model's mask (which holds its causality)
             mask = _block_mask(attention_mask) & _layer_pattern(config).resolve(lq, lk, device=query.device)
             return ops.block_sparse_attention(query, key, value, mask, scale=scaling).transpose(1, 2), None
+        elif mode == "topk" and (padding := _right_padding(attention_mask)) is not None:
+            lens, causal = padding  # a right-padded batch: each sequence's top-k among its own keys
+            out = ops.topk_attention(
+                query, key, value, config.k, causal=causal, scale=scaling, sinks=config.sinks, key_lengths=lens
+            )
+            return out.transpose(1, 2), None
         elif mode != "dense":
             raise NotImplementedError(
-                f"sparse_attn mode {mode!r} does not take the model's attention mask (padding) yet; "
-                "use unpadded batches, or mode='dense' / 'sliding_window' / 'pattern'"
+                f"sparse_attn mode {mode!r} does not take this attention mask (padding) yet: mode 'topk' takes "
+                "right-padded batches; use unpadded batches, or mode='dense' / 'sliding_window' / 'pattern'"
             )
         out = ops.block_sparse_attention(query, key, value, _block_mask(attention_mask), scale=scaling)
     elif mode == "dense":
