@@ -36,12 +36,16 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from . import _args
+
+if TYPE_CHECKING:
+    from .masks import BlockSparseMask
 
 __all__ = [
     "context_parallel_attention",
@@ -563,13 +567,13 @@ class _SparseExchange:
     method: str
     compact: torch.Tensor  # (nKb,) int32
     length: int  # tokens of the K/V tensor
+    # This rank's rows of the mask with key blocks renumbered by ``compact``: kept with the exchange,
+    # so that every call reuses their tensors and the block kernel's CTA schedule.
+    rows: BlockSparseMask
     send_rows: torch.Tensor | None = None  # (n,) int64
     send_sizes: list[int] | None = None
     recv_sizes: list[int] | None = None
     longest: int = 0  # allgather: tokens of the longest shard
-    # This rank's rows of the mask with key blocks renumbered by ``compact``, made on first use and
-    # kept, so that every later call reuses their tensors and the block kernel's CTA schedule.
-    rows: list = field(default_factory=list, compare=False)
 
     def kv(self, x, group):
         if self.method == "allgather":
@@ -619,10 +623,9 @@ def _sparse_exchange(mask, bounds, rank: int, method: str, dev) -> _SparseExchan
     if method == "allgather":
         longest = max(lengths)
         for r in range(world):
-            compact[torch.tensor(owned[r], dtype=torch.long)] = torch.arange(len(owned[r]), dtype=torch.int32) + r * (
-                longest // kb
-            )
-        ex = _SparseExchange(method, compact.to(dev), world * longest, longest=longest)
+            at = torch.arange(len(owned[r]), dtype=torch.int32) + r * (longest // kb)
+            compact[torch.tensor(owned[r], dtype=torch.long)] = at
+        length, moves = world * longest, dict(longest=longest)
     else:
         need, _ = _needed_blocks(mask, bounds, kb)
         owner_of = {j: r for r in range(world) for j in owned[r]}
@@ -632,28 +635,26 @@ def _sparse_exchange(mask, bounds, rank: int, method: str, dev) -> _SparseExchan
         compact[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order), dtype=torch.int32)
         first = {j: i * kb for i, j in enumerate(owned[rank])}  # a block of this shard -> its first row
         firsts = torch.tensor([first[j] for r in range(world) for j in send[r]], dtype=torch.long)
-        send_rows = (firsts[:, None] + torch.arange(kb)).flatten()
         recv_sizes = [len(recv[s]) * kb for s in range(world)]
-        ex = _SparseExchange(
-            method,
-            compact.to(dev),
-            lengths[rank] + sum(recv_sizes),
-            send_rows=send_rows.to(dev),
+        length = lengths[rank] + sum(recv_sizes)
+        moves = dict(
+            send_rows=(firsts[:, None] + torch.arange(kb)).flatten().to(dev),
             send_sizes=[len(send[r]) * kb for r in range(world)],
             recv_sizes=recv_sizes,
         )
+    compact = compact.to(dev)
+    rows = _local_rows(mask, bounds[rank], compact, length)
+    ex = _SparseExchange(method, compact, length, rows, **moves)
     cache[key] = ex
     return ex
 
 
-def _local_rows(mask, chunks, ex: _SparseExchange):
-    """This rank's rows of the mask (its chunks' query blocks, in shard order) against the
-    exchange's K/V layout: key blocks renumbered by ``ex.compact``, each row's list re-sorted
-    ascending with its partial-mask entries moved along. Made once per exchange."""
+def _local_rows(mask, chunks, compact: torch.Tensor, length: int):
+    """This rank's rows of the mask (its chunks' query blocks, in shard order) against a K/V
+    tensor of ``length`` tokens laid out as ``compact`` says: key blocks renumbered, each row's list
+    re-sorted ascending with its partial-mask entries moved along."""
     from .masks import BlockSparseMask
 
-    if ex.rows:
-        return ex.rows[0]
     qb = mask.q_block
     spans = [slice(off // qb, -(-(off + n) // qb)) for off, n in chunks]
     cnt = torch.cat([mask.kv_num_blocks[:, :, s] for s in spans], dim=2)
@@ -661,16 +662,14 @@ def _local_rows(mask, chunks, ex: _SparseExchange):
     part = torch.cat([mask.kv_partial[:, :, s] for s in spans], dim=2)
     live = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]
     big = torch.iinfo(torch.int32).max
-    new = torch.where(live, ex.compact[idx.long()], big)
+    new = torch.where(live, compact[idx.long()], big)
     new, order = new.sort(-1)
     part = part.gather(-1, order)
     new = torch.where(new == big, 0, new).to(torch.int32)
     lq = sum(n for _, n in chunks)
-    rows = BlockSparseMask._trusted(
-        cnt.contiguous(), new.contiguous(), part.contiguous(), mask.partial_masks, (lq, ex.length), mask.block_size
+    return BlockSparseMask._trusted(
+        cnt.contiguous(), new.contiguous(), part.contiguous(), mask.partial_masks, (lq, length), mask.block_size
     )
-    ex.rows.append(rows)
-    return rows
 
 
 @_with_dtensors
@@ -729,14 +728,13 @@ def context_parallel_block_sparse_attention(
         raise ValueError(f"the sequence length ({seq_len}) must be a multiple of the mask's key block ({kb})")
     if method not in (None, "alltoall", "allgather"):
         raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
-    chunks = bounds[rank]
     if method is None:
         method = "allgather" if _needed_blocks(mask, bounds, kb)[1] > 0.5 else "alltoall"
     # One call over all of this rank's rows: K and V laid out as the exchange says (this shard,
     # then the blocks received; or every shard), the mask's rows renumbered to that layout.
     ex = _sparse_exchange(mask, bounds, rank, method, query.device)
     k_all, v_all = ex.kv(key, group), ex.kv(value, group)
-    out, lse = block_sparse_attention(query, k_all, v_all, _local_rows(mask, chunks, ex), scale=scale, return_lse=True)
+    out, lse = block_sparse_attention(query, k_all, v_all, ex.rows, scale=scale, return_lse=True)
     return (out, lse) if return_lse else out
 
 
