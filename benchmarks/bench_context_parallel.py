@@ -15,6 +15,7 @@ The projection to more GPUs uses the measured per-step compute and the measured 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -148,12 +149,13 @@ def _train(op, inputs, mask, grad):
     torch.autograd.grad(op(*leaves, mask), leaves, grad)
 
 
-def measure_sparse(length: int, reps: int) -> list[tuple[str, float, float]]:
+def measure_sparse(length: int, reps: int) -> list[tuple[str, float, float, float | None]]:
     """One GPU's block_sparse_attention against context_parallel_block_sparse_attention on the same
     mask (128-token blocks, both run by the block kernel): Longformer (window 2048, 64 global
     tokens), a plain band of 2048, BigBird (window 2048, 2 global tokens, 3 random blocks per row)
-    and random blocks at 5 %; (name, one GPU ms, CP ms) per schedule, then forward + backward
-    under the schedule the plan picks (method=None)."""
+    and random blocks at 5 %; (name, one GPU ms, CP ms, CP peak memory / one GPU's) per schedule,
+    forward (peaks with the inputs, the largest rank's), then forward + backward (no memory; the
+    schedule that method=None picks is marked)."""
     from sparse_attn import BlockSparseMask, patterns
 
     g = torch.Generator(device="cuda").manual_seed(length)
@@ -174,20 +176,24 @@ def measure_sparse(length: int, reps: int) -> list[tuple[str, float, float]]:
     out = []
     for name, mask in masks.items():
         one = timed(lambda mask=mask: sparse_attn.block_sparse_attention(q, k, v, mask), reps)
+        mem_one = peak_bytes(lambda mask=mask: sparse_attn.block_sparse_attention(q, k, v, mask)) + 3 * q.nbytes
         for method in ("alltoall", "allgather"):
-            t = timed(
-                lambda mask=mask, method=method: cp.context_parallel_block_sparse_attention(
-                    ql, kl, vl, mask, method=method
-                ),
-                reps,
-            )
-            out.append((f"{name} {method}", one, t))
+
+            def ours(mask=mask, method=method):
+                return cp.context_parallel_block_sparse_attention(ql, kl, vl, mask, method=method)
+
+            t = timed(ours, reps)
+            mem = torch.tensor(float(peak_bytes(ours) + 3 * ql.nbytes), device="cuda")
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            out.append((f"{name} {method}", one, t, mem.item() / mem_one))
 
         one_fb = timed(lambda mask=mask: _train(sparse_attn.block_sparse_attention, (q, k, v), mask, dout), reps)
-        cp_fb = timed(
-            lambda mask=mask: _train(cp.context_parallel_block_sparse_attention, (ql, kl, vl), mask, dout_l), reps
-        )
-        out.append((f"{name} fwd+bwd", one_fb, cp_fb))
+        bounds = cp.chunk_bounds(length, dist.get_world_size())
+        picked = "allgather" if cp._needs(mask, bounds, mask.kv_block).busiest > 0.5 else "alltoall"
+        for method in ("alltoall", "allgather"):
+            train = functools.partial(cp.context_parallel_block_sparse_attention, method=method)
+            cp_fb = timed(lambda mask=mask, train=train: _train(train, (ql, kl, vl), mask, dout_l), reps)
+            out.append((f"{name} fwd+bwd {method}{' (picked)' if method == picked else ''}", one_fb, cp_fb, None))
     return out
 
 
@@ -257,10 +263,13 @@ def main(argv=None) -> int:
             )
         torch.cuda.empty_cache()
     for length in args.lengths if "sparse" in args.tables else ():
-        for name, one, ours in measure_sparse(length, args.reps):
-            rows.append(dict(length=length, world=world, table=name, one_ms=one, cp_ms=ours, speedup=one / ours))
+        for name, one, ours, mem in measure_sparse(length, args.reps):
+            rows.append(
+                dict(length=length, world=world, table=name, one_ms=one, cp_ms=ours, speedup=one / ours, mem_ratio=mem)
+            )
             if rank == 0:
-                print(f"{name} {length}: one GPU {one:.2f} ms, CP {ours:.2f} ms: {one / ours:.2f}x")
+                note = "" if mem is None else f", memory {mem:.2f}"
+                print(f"{name} {length}: one GPU {one:.2f} ms, CP {ours:.2f} ms: {one / ours:.2f}x{note}")
         torch.cuda.empty_cache()
     for length in args.lengths if "topk" in args.tables else ():
         for name, one, ours, mem in measure_topk(length, args.reps):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -155,46 +155,18 @@ def gather_sequence(x: torch.Tensor, seq_len: int, *, group=None, layout: str = 
 
 
 def _gather(x: torch.Tensor, bounds, group, dim: int) -> torch.Tensor:
-    shards = _AllGatherShards.apply(x.movedim(dim, 0), bounds, group)
-    pieces = [(off, shards[r][at : at + n]) for r, chunks in enumerate(bounds) for off, at, n in _local_chunks(chunks)]
-    pieces.sort(key=lambda p: p[0])
-    return torch.cat([p for _, p in pieces], dim=0).movedim(0, dim)
-
-
-class _AllGatherShards(torch.autograd.Function):
-    """Every rank's shard (sequence dimension first; shards may differ in length by a token or two):
-    forward an all-gather of shards padded to the longest, backward the sum over ranks of each
-    shard's gradient, delivered to its owner (reduce-scatter, or all-reduce where the backend has
-    none)."""
-
-    @staticmethod
-    def forward(ctx, x, bounds, group):
-        world = len(bounds)
-        lengths = [sum(n for _, n in chunks) for chunks in bounds]
-        longest = max(lengths)
-        ctx.group, ctx.lengths, ctx.longest = group, lengths, longest
-        padded = torch.zeros((longest, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        padded[: x.shape[0]] = x
-        out = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(out, padded, group=group)
-        return tuple(o[:n] for o, n in zip(out, lengths, strict=True))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        rank = dist.get_rank(ctx.group)
-        stacked = torch.zeros(
-            (len(grads), ctx.longest, *grads[0].shape[1:]), dtype=grads[0].dtype, device=grads[0].device
-        )
-        for r, g in enumerate(grads):
-            if g is not None:
-                stacked[r, : g.shape[0]] = g
-        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
-            mine = torch.empty_like(stacked[0])
-            dist.reduce_scatter_tensor(mine, stacked, group=ctx.group)
-        else:
-            dist.all_reduce(stacked, group=ctx.group)
-            mine = stacked[rank]
-        return mine[: ctx.lengths[rank]], None, None
+    """The whole sequence (along ``dim``) from every rank's shard x: one all-gather (_AllShards),
+    then the chunks put in sequence order (no copy where the shards are the sequence already)."""
+    longest = max(sum(n for _, n in chunks) for chunks in bounds)
+    shards = _AllShards.apply(x, longest, group, dim).movedim(dim, 0)
+    pieces = sorted(
+        (off, r * longest + at, n) for r, chunks in enumerate(bounds) for off, at, n in _local_chunks(chunks)
+    )
+    if all(off == at for off, at, _ in pieces):
+        whole = shards[: sum(n for _, _, n in pieces)]
+    else:
+        whole = torch.cat([shards[at : at + n] for _, at, n in pieces], dim=0)
+    return whole.movedim(0, dim)
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -493,44 +465,54 @@ class _WithRowsOfOthers(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, send_rows, send_sizes, recv_sizes, group):
-        lr = x.shape[2]
-        buf = _empty_along(x, lr + sum(recv_sizes))
-        buf[:, :, :lr].copy_(x)
-        send = x.movedim(2, 0).index_select(0, send_rows)
-        tail = buf[:, :, lr:].movedim(2, 0)
-        if tail.is_contiguous():
-            dist.all_to_all_single(tail, send, recv_sizes, send_sizes, group=group)
-        else:
-            got = torch.empty_like(tail, memory_format=torch.contiguous_format)
-            dist.all_to_all_single(got, send, recv_sizes, send_sizes, group=group)
-            tail.copy_(got)
         ctx.save_for_backward(send_rows)
-        ctx.sizes, ctx.group, ctx.lr = (send_sizes, recv_sizes), group, lr
-        return buf
+        ctx.sizes, ctx.group, ctx.lr = (send_sizes, recv_sizes), group, x.shape[2]
+        return _with_rows_of_others(x, send_rows, send_sizes, recv_sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
         (send_rows,) = ctx.saved_tensors
         send_sizes, recv_sizes = ctx.sizes
-        g = grad.movedim(2, 0)
-        back = g.new_empty((sum(send_sizes), *g.shape[1:]))
-        dist.all_to_all_single(back, g[ctx.lr :].contiguous(), send_sizes, recv_sizes, group=ctx.group)
-        mine = g[: ctx.lr].clone(memory_format=torch.contiguous_format)
-        mine.index_add_(0, send_rows, back)
-        return mine.movedim(0, 2), None, None, None, None
+        return _rows_back(grad, ctx.lr, send_rows, send_sizes, recv_sizes, ctx.group), None, None, None, None
+
+
+def _with_rows_of_others(x, send_rows, send_sizes, recv_sizes, group):
+    """_WithRowsOfOthers' forward (no autograd)."""
+    lr = x.shape[2]
+    buf = _empty_along(x, lr + sum(recv_sizes))
+    buf[:, :, :lr].copy_(x)
+    send = x.movedim(2, 0).index_select(0, send_rows)
+    tail = buf[:, :, lr:].movedim(2, 0)
+    if tail.is_contiguous():
+        dist.all_to_all_single(tail, send, recv_sizes, send_sizes, group=group)
+    else:
+        got = torch.empty_like(tail, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(got, send, recv_sizes, send_sizes, group=group)
+        tail.copy_(got)
+    return buf
+
+
+def _rows_back(grad, lr, send_rows, send_sizes, recv_sizes, group):
+    """The gradient of a shard laid out as _with_rows_of_others made it: its own rows', plus those
+    of the rows it sent, returned by their receivers (the reverse all-to-all)."""
+    g = grad.movedim(2, 0)
+    back = _exchange(g[lr:], recv_sizes, send_sizes, group)
+    mine = g[:lr].clone(memory_format=torch.contiguous_format)
+    mine.index_add_(0, send_rows, back)
+    return mine.movedim(0, 2)
 
 
 class _AllShards(torch.autograd.Function):
-    """Every rank's K or V shard x (B, Hkv, L_r, D) in one (B, Hkv, P * L_longest, D) tensor laid
-    out sequence-first, rank by rank (shard r at r * L_longest; a shorter shard's tail is never
-    read): one all-gather into place. Backward: each shard's gradients summed over the ranks and
-    delivered to its owner."""
+    """Every rank's shard x (the sequence along ``dim``, e.g. K or V (B, Hkv, L_r, D) along 2) in
+    one tensor of P * L_longest along ``dim``, laid out sequence-first, rank by rank (shard r at
+    r * L_longest; a shorter shard's tail is zero): one all-gather into place. Backward: each
+    shard's gradients summed over the ranks and delivered to its owner."""
 
     @staticmethod
-    def forward(ctx, x, longest, group):
+    def forward(ctx, x, longest, group, dim):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        lr = x.shape[2]
-        seq = x.movedim(2, 0)
+        lr = x.shape[dim]
+        seq = x.movedim(dim, 0)
         buf = x.new_empty((world * longest, *seq.shape[1:]))
         slot = buf[rank * longest : (rank + 1) * longest]
         slot[:lr].copy_(seq)
@@ -540,45 +522,270 @@ class _AllShards(torch.autograd.Function):
             dist.all_gather_into_tensor(buf, slot, group=group)  # in place: the input is the own slot
         else:
             dist.all_gather(list(buf.split(longest)), slot.clone(), group=group)
-        ctx.group, ctx.lr, ctx.longest = group, lr, longest
-        return buf.movedim(0, 2)
+        ctx.group, ctx.lr, ctx.longest, ctx.dim = group, lr, longest, dim
+        return buf.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
         rank = dist.get_rank(ctx.group)
-        g = grad.movedim(2, 0).contiguous()
+        g = grad.movedim(ctx.dim, 0).contiguous()
         if dist.get_backend(ctx.group) == dist.Backend.NCCL:
             mine = g.new_empty((ctx.longest, *g.shape[1:]))
             dist.reduce_scatter_tensor(mine, g, group=ctx.group)
         else:
             dist.all_reduce(g, group=ctx.group)
             mine = g[rank * ctx.longest : (rank + 1) * ctx.longest]
-        return mine[: ctx.lr].movedim(0, 2), None, None
+        return mine[: ctx.lr].movedim(0, ctx.dim), None, None, None
+
+
+def _exchange(x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group, wait: bool = True):
+    """Rows (dim 0) of x out to the ranks in pieces of ``send_sizes``, rows in from them in pieces of
+    ``recv_sizes``: one all-to-all (no autograd: the callers' backward runs the reverse). With
+    ``wait=False`` a _Pending: the exchange runs on while the caller's next kernels do."""
+    out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), recv_sizes, send_sizes, group=group, async_op=not wait)
+    return out if wait else _Pending(out, work)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """An all-to-all under way: ``get()`` makes the current stream wait for it and gives its rows."""
+
+    out: torch.Tensor
+    work: object
+
+    def get(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out
+
+
+def _block_fwd(q, k, v, m: BlockSparseMask, scale):
+    """The block kernel's (out, lse) over the pairs of m (q, k, v laid out (B, H, L, D), any strides)."""
+    from ._routes import block_kernel
+
+    return block_kernel(q, k, v, m, _args.scale(scale))
+
+
+def _block_bwd(g, q, k, v, out, lse, gl, m: BlockSparseMask, scale):
+    """(dq, dk, dv) of the pairs of m given the final out and lse of the rows (their softmax runs
+    over more keys than m holds: the standard split of a backward over key sets)."""
+    return _ops.block_sparse_bwd(
+        g,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        gl,
+        m.kv_num_blocks,
+        m.kv_indices,
+        m.kv_partial,
+        m.partial_masks,
+        m.q_block,
+        m.kv_block,
+        _args.scale(scale),
+    )
+
+
+def _merge_partials(o: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial outputs o (..., D) and their LSEs over the keys' parts along ``dim`` merged into one
+    (fp32): the softmax-weighted sum; a row no part has a key for is 0 with LSE -inf."""
+    top = lse.amax(dim, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    w = torch.exp(lse - top)
+    total = w.sum(dim, keepdim=True)
+    some = total > 0
+    safe = torch.where(some, total, 1.0)
+    merged = ((w / safe).unsqueeze(-1) * o.float()).sum(dim)
+    return merged, torch.where(some, top + torch.log(safe), -math.inf).squeeze(dim)
+
+
+def _merge_rows(out, lse, rows, parts_o, parts_lse):
+    """out / lse (B, H, L, D) / (B, H, L) of this rank's rows merged in place, at ``rows``, with
+    partials over other keys (P, n, B, H, D) / (P, n, B, H) (sequence-major)."""
+    o_all = torch.cat([out.index_select(2, rows).movedim(2, 0)[None].float(), parts_o.float()])
+    lse_all = torch.cat([lse.index_select(2, rows).movedim(2, 0)[None], parts_lse])
+    merged, merged_lse = _merge_partials(o_all, lse_all, 0)
+    out.index_copy_(2, rows, merged.to(out.dtype).movedim(0, 2))
+    lse.index_copy_(2, rows, merged_lse.movedim(0, 2))
+
+
+def _split_rows(rows: BlockSparseMask, splits: int) -> BlockSparseMask:
+    """Each row block of ``rows`` as ``splits`` consecutive row blocks, replica s keeping entries
+    s, s + splits, ... of the list (ascending still): one long row's keys over several CTAs."""
+    from .masks import BlockSparseMask
+
+    cnt, idx, part = rows.kv_num_blocks, rows.kv_indices, rows.kv_partial
+    e = torch.arange(idx.shape[-1], device=idx.device)
+    keep = (e < cnt[..., None, None]) & (e % splits == torch.arange(splits, device=idx.device)[:, None])
+    order = torch.where(keep, e, e + idx.shape[-1]).argsort(-1)[..., : -(-idx.shape[-1] // splits)]
+    wide = (*idx.shape[:-1], splits, idx.shape[-1])
+    new = idx.unsqueeze(-2).expand(wide).gather(-1, order)
+    kept = keep.gather(-1, order)
+    return BlockSparseMask._trusted(
+        keep.sum(-1, dtype=torch.int32).flatten(2).contiguous(),
+        torch.where(kept, new, 0).flatten(2, 3).contiguous(),
+        part.unsqueeze(-2).expand(wide).gather(-1, order).flatten(2, 3).contiguous(),
+        rows.partial_masks,
+        (rows.seq_lengths[0] * splits, rows.seq_lengths[1]),
+        rows.block_size,
+    )
+
+
+@dataclass(frozen=True)
+class _Guests:
+    """Rows of the mask that touch most of the other ranks' key blocks (a global token's row):
+    their queries travel instead of the keys. Each rank sends the queries of its own such rows
+    (``own_rows`` of its shard) to every other rank, attends the rows it receives to its own shard
+    (``rows``: those query blocks, in rank order, against this shard's key blocks; each block's
+    keys split over several CTAs, the splits merged here) and returns the partial outputs (fp32)
+    and LSEs to their owners, who merge them into their own shard's partial in fp32.
+    ``send_sizes`` / ``recv_sizes``: query rows per rank (this rank's piece empty both ways)."""
+
+    own_rows: torch.Tensor  # (n,) int64, rows of this shard
+    rows: BlockSparseMask  # the other ranks' such rows against this shard
+    send_sizes: list[int]  # queries out (this rank's rows to every other rank)
+    recv_sizes: list[int]  # queries in (the other ranks' rows)
+    split_rows: dict = field(default_factory=dict)  # splits -> rows split that many ways (made once)
+
+    def split(self, query) -> tuple[int, BlockSparseMask]:
+        """How many ways each received row block's keys are split: about two CTAs per SM over the
+        blocks and heads (64 on the CPU), at least two key blocks each."""
+        blocks = self.rows.seq_lengths[0] // self.rows.q_block
+        slots = 2 * torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 64
+        want = -(-slots // max(1, blocks * query.shape[0] * query.shape[1]))
+        splits = max(1, min(want, self.rows.kv_indices.shape[-1] // 2)) if blocks else 1
+        if splits not in self.split_rows:
+            self.split_rows[splits] = _split_rows(self.rows, splits) if splits > 1 else self.rows
+        return splits, self.split_rows[splits]
+
+    def out_to_others(self, x, group):
+        """This rank's guest rows of x (sequence along dim 2) to every other rank: (rows in, ...)."""
+        world = len(self.send_sizes)
+        sent = x.movedim(2, 0).index_select(0, self.own_rows.repeat(world - 1))
+        return _exchange(sent, self.send_sizes, self.recv_sizes, group)
+
+    def back_to_owners(self, x, group):
+        """Rows computed for the other ranks' guests back to them: (P - 1, own guest rows, ...)."""
+        got = _exchange(x, self.recv_sizes, self.send_sizes, group)
+        return got.unflatten(0, (len(self.send_sizes) - 1, self.own_rows.numel()))
+
+    def replicate(self, x, splits):
+        """Received rows (n, ...) as the split mask's rows: each query block ``splits`` times, then
+        laid out (B, H, rows, ...)."""
+        qb = self.rows.q_block
+        return x.unflatten(0, (-1, 1, qb)).expand(-1, splits, -1, *x.shape[1:]).flatten(0, 2).movedim(0, 2)
+
+    def fold(self, x, splits):
+        """(B, H, rows * splits, ...) of the split mask back to (n blocks, splits, q_block, B, H, ...)."""
+        return x.movedim(2, 0).unflatten(0, (-1, splits, self.rows.q_block))
 
 
 @dataclass(frozen=True)
 class _SparseExchange:
-    """How one rank gets the K/V blocks its rows of a mask touch, for one schedule: the layout of
-    the K/V tensor it attends to (``compact``: the position of every global key block in it, -1 for
-    blocks it does not hold) and what crosses the link. ``"alltoall"``: its own shard, then the
-    blocks it receives from each rank (``send_rows`` of its shard go out, ``send_sizes`` /
-    ``recv_sizes`` rows per rank); ``"allgather"``: every rank's shard, rank by rank."""
+    """How one rank gets the K/V blocks its rows of a mask touch, for one schedule, and its rows of
+    the mask renumbered to match (built once, kept with the mask: every call reuses their tensors
+    and the block kernel's CTA schedule). ``"allgather"``: ``rows`` against every rank's shard,
+    laid out rank by rank (``longest`` tokens each). ``"alltoall"``: the other ranks' key blocks
+    its rows touch come in one all-to-all of K and one of V (``send_rows`` of this shard go out,
+    ``send_sizes`` / ``recv_sizes`` rows per rank), in one of two forms: with ``edge``, ``rows``
+    are against this rank's shard as the caller holds it (no copy) and ``edge`` holds the rows
+    that touch received blocks (``edge_rows`` of this shard, at most _EDGE_SHARE of its query
+    blocks) against those blocks alone, merged into their output by the LSEs; without, ``rows``
+    are against this shard followed by the received blocks (one copy of the shard). ``guests``:
+    the rows that touch most blocks."""
 
     method: str
-    compact: torch.Tensor  # (nKb,) int32
-    length: int  # tokens of the K/V tensor
-    # This rank's rows of the mask with key blocks renumbered by ``compact``: kept with the exchange,
-    # so that every call reuses their tensors and the block kernel's CTA schedule.
     rows: BlockSparseMask
+    longest: int = 0  # allgather: tokens of the longest shard
     send_rows: torch.Tensor | None = None  # (n,) int64
     send_sizes: list[int] | None = None
     recv_sizes: list[int] | None = None
-    longest: int = 0  # allgather: tokens of the longest shard
+    edge_rows: torch.Tensor | None = None  # (n,) int64
+    edge: BlockSparseMask | None = None
+    guests: _Guests | None = None
 
-    def kv(self, x, group):
-        if self.method == "allgather":
-            return _AllShards.apply(x, self.longest, group)
-        return _WithRowsOfOthers.apply(x, self.send_rows, self.send_sizes, self.recv_sizes, group)
+
+class _SparseAllToAll(torch.autograd.Function):
+    """The all-to-all schedule of a block-sparse mask on one rank: its rows against its own shard,
+    the edge rows against the received key blocks, the guests' partials; every partial merged in
+    place, in fp32, into the first call's output. Backward: each call's backward given the merged
+    output and LSE (the softmax over all of a row's keys), the received blocks' K/V gradients and
+    the guests' query gradients sent back to their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ex: _SparseExchange, scale, group):
+        # The guests' call (small) first, the big call, then the edge rows' call (small). The
+        # received key blocks of the edge form travel under the big call; the guests' partials go
+        # back after it (an exchange left waiting for a slower rank would hold SMs that the big
+        # call's persistent CTAs need: measured 1.6x slower). Every rank issues the same
+        # collectives in the same order: guest queries, K, V, guest outputs, guest LSEs.
+        gs = ex.guests
+        q_guest = gs.out_to_others(q, group) if gs is not None else None
+        moves = (ex.send_rows, ex.send_sizes, ex.recv_sizes, group)
+        if ex.edge is None:  # K and V: this shard followed by the received blocks, one call
+            k_in, v_in = (_with_rows_of_others(x, *moves) for x in (k, v))
+        else:  # this shard as it is; the received blocks for a second call over the edge rows
+            pending = [_exchange(x.movedim(2, 0).index_select(0, ex.send_rows), *moves[1:], wait=False) for x in (k, v)]
+        if gs is not None:
+            splits, rows = gs.split(q)
+            o_g, lse_g = _block_fwd(gs.replicate(q_guest, splits), k, v, rows, scale)
+            o_g, lse_g = _merge_partials(gs.fold(o_g, splits), gs.fold(lse_g, splits), 1)
+        if ex.edge is None:
+            out, lse = _block_fwd(q, k_in, v_in, ex.rows, scale)
+            q_edge = None
+        else:
+            out, lse = _block_fwd(q, k, v, ex.rows, scale)
+            k_in, v_in = (p.get().movedim(0, 2) for p in pending)
+            q_edge = q.index_select(2, ex.edge_rows)
+            if ex.edge_rows.numel():
+                o_e, lse_e = _block_fwd(q_edge, k_in, v_in, ex.edge, scale)
+                _merge_rows(out, lse, ex.edge_rows, o_e.movedim(2, 0)[None], lse_e.movedim(2, 0)[None])
+        if gs is not None:
+            _merge_rows(out, lse, gs.own_rows, *(gs.back_to_owners(x.flatten(0, 1), group) for x in (o_g, lse_g)))
+        ctx.save_for_backward(q, k, v, k_in, v_in, q_edge, q_guest, out, lse)
+        ctx.ex, ctx.scale, ctx.group = ex, scale, group
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, g, gl):
+        q, k, v, k_in, v_in, q_edge, q_guest, out, lse = ctx.saved_tensors
+        ex, scale, group = ctx.ex, ctx.scale, ctx.group
+        if g is None:
+            g = torch.zeros_like(out)
+        gs = ex.guests
+        if gs is not None:
+            # The guests' gradient, output and LSE (and the LSE's gradient: zeros when unused) out
+            # to the ranks that hold their keys; their query gradients back after the big call.
+            gl_all = torch.zeros_like(lse) if gl is None else gl
+            g_in, o_in, lse_in, gl_in = (gs.out_to_others(x, group) for x in (g, out, lse, gl_all))
+            splits, rows_g = gs.split(q)
+            g_r, q_r, o_r, lse_r, gl_r = (gs.replicate(x, splits) for x in (g_in, q_guest, o_in, lse_in, gl_in))
+            dq_g, dk_g, dv_g = _block_bwd(g_r, q_r, k, v, o_r, lse_r, gl_r, rows_g, scale)
+            dq_g = gs.fold(dq_g, splits).sum(1).flatten(0, 1)
+        moves = (ex.send_rows, ex.send_sizes, ex.recv_sizes, group)
+        if ex.edge is None:
+            dq, dk_in, dv_in = _block_bwd(g, q, k_in, v_in, out, lse, gl, ex.rows, scale)
+            dk, dv = (_rows_back(d, k.shape[2], *moves) for d in (dk_in, dv_in))
+        else:
+            dq, dk, dv = _block_bwd(g, q, k, v, out, lse, gl, ex.rows, scale)
+            rows = ex.edge_rows
+            if rows.numel():
+                sub = [x.index_select(2, rows) for x in (g, out, lse)]
+                gl_e = None if gl is None else gl.index_select(2, rows)
+                dq_e, dk_in, dv_in = _block_bwd(sub[0], q_edge, k_in, v_in, sub[1], sub[2], gl_e, ex.edge, scale)
+                dq.index_add_(2, rows, dq_e)
+            else:
+                dk_in, dv_in = torch.zeros_like(k_in), torch.zeros_like(v_in)
+            for d, d_in in ((dk, dk_in), (dv, dv_in)):
+                back = _exchange(d_in.movedim(2, 0), ex.recv_sizes, ex.send_sizes, group)
+                d.index_add_(2, ex.send_rows, back.movedim(0, 2))
+        if gs is not None:
+            dk.add_(dk_g)
+            dv.add_(dv_g)
+            dq.index_add_(2, gs.own_rows, gs.back_to_owners(dq_g, group).sum(0).movedim(0, 2))
+        return dq, dk, dv, None, None, None
 
 
 def _owned_blocks(bounds, kv_block: int) -> list[list[int]]:
@@ -586,32 +793,73 @@ def _owned_blocks(bounds, kv_block: int) -> list[list[int]]:
     return [[j for off, n in chunks for j in range(off // kv_block, (off + n) // kv_block)] for chunks in bounds]
 
 
-def _needed_blocks(mask, bounds, kv_block: int) -> tuple[list[list[int]], float]:
-    """The other ranks' key blocks each rank's rows touch (read from the mask once on the host;
-    cached on the mask), and the largest share of the others' blocks any rank needs."""
-    cache = mask.__dict__.setdefault("_cp_needed", {})
+def _query_blocks(chunks, q_block: int) -> list[int]:
+    """A rank's query blocks, in its shard's order."""
+    return [j for off, n in chunks for j in range(off // q_block, -(-(off + n) // q_block))]
+
+
+@dataclass(frozen=True)
+class _Needs:
+    """Read from the mask once on the host (cached on it) for a sharding: per rank, its guest query
+    blocks (full blocks whose rows touch more than half of the other ranks' key blocks), the other
+    ranks' key blocks its other rows touch, and the largest share of the others' blocks any rank's
+    other rows need."""
+
+    guests: list[list[int]]
+    need: list[list[int]]
+    busiest: float
+
+
+_GUEST_SHARE = 0.5  # a query block whose rows touch more of the other ranks' key blocks is a guest
+# More of a rank's query blocks touching received key blocks than this share: the received blocks
+# join a copy of the shard (one call) instead of a second call for those rows and a merge.
+_EDGE_SHARE = 0.25
+
+
+def _needs(mask, bounds, kv_block: int) -> _Needs:
+    cache = mask.__dict__.setdefault("_cp_needs", {})
     key = tuple(map(tuple, bounds))
-    if key not in cache:
-        qb = mask.q_block
-        counts, idx = mask.kv_num_blocks.cpu(), mask.kv_indices.cpu()
-        owned = _owned_blocks(bounds, kv_block)
-        need = []
-        for r, chunks in enumerate(bounds):
-            blocks = set()
-            for off, n in chunks:
-                rows = slice(off // qb, -(-(off + n) // qb))
-                c, ix = counts[:, :, rows], idx[:, :, rows]
-                live = torch.arange(ix.shape[-1])[None, None, None, :] < c[..., None]
-                blocks |= set(ix[live].unique().tolist())
-            need.append(sorted(blocks - set(owned[r])))
-        busiest = max(len(need[r]) / max(1, mask.num_kv_blocks - len(owned[r])) for r in range(len(bounds)))
-        cache[key] = (need, busiest)
+    if key in cache:
+        return cache[key]
+    qb, nkb, seq_len = mask.q_block, mask.num_kv_blocks, mask.seq_lengths[0]
+    counts, idx = mask.kv_num_blocks.cpu(), mask.kv_indices.cpu().long()
+    owned = _owned_blocks(bounds, kv_block)
+    guests, need, busiest = [], [], 0.0
+    for r, chunks in enumerate(bounds):
+        blocks = torch.tensor(_query_blocks(chunks, qb), dtype=torch.long)
+        c, ix = counts[:, :, blocks], idx[:, :, blocks]
+        live = torch.arange(ix.shape[-1])[None, None, None, :] < c[..., None]
+        # touched[i, j]: some row of query block blocks[i] (any batch element or head) sees key block j
+        touched = torch.zeros(len(blocks), nkb, dtype=torch.bool)
+        rows = torch.arange(len(blocks))[None, None, :, None].expand_as(ix)
+        touched[rows[live], ix[live]] = True
+        foreign = touched.clone()
+        foreign[:, owned[r]] = False
+        n_foreign = max(1, nkb - len(owned[r]))
+        full = (blocks + 1) * qb <= seq_len
+        guest = full & (foreign.sum(1) > _GUEST_SHARE * n_foreign)
+        guests.append(blocks[guest].tolist())
+        mine = foreign[~guest].any(0).nonzero().flatten().tolist()
+        need.append(mine)
+        busiest = max(busiest, len(mine) / n_foreign)
+    cache[key] = _Needs(guests, need, busiest)
     return cache[key]
+
+
+def _shard_rows(chunks, q_blocks: list[int], q_block: int, seq_len: int) -> torch.Tensor:
+    """Rows of a rank's shard holding its query blocks ``q_blocks``, in order (the sequence's last
+    block may be short)."""
+    at = {}
+    for off, start, n in _local_chunks(chunks):
+        for j in range(off // q_block, -(-(off + n) // q_block)):
+            at[j] = start + j * q_block - off
+    rows = [torch.arange(at[j], at[j] + min(q_block, seq_len - j * q_block)) for j in q_blocks]
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
 
 
 def _sparse_exchange(mask, bounds, rank: int, method: str, dev) -> _SparseExchange:
     """The exchange of ``method`` for this rank (cached on the mask: masks are not modified)."""
-    kb = mask.kv_block
+    kb, qb, seq_len = mask.kv_block, mask.q_block, mask.seq_lengths[0]
     key = (tuple(map(tuple, bounds)), rank, method)
     cache = mask.__dict__.setdefault("_cp_exchange", {})
     if key in cache:
@@ -619,56 +867,103 @@ def _sparse_exchange(mask, bounds, rank: int, method: str, dev) -> _SparseExchan
     world = len(bounds)
     owned = _owned_blocks(bounds, kb)
     lengths = [sum(n for _, n in chunks) for chunks in bounds]
-    compact = torch.full((mask.num_kv_blocks,), -1, dtype=torch.int32)
+    mine = _query_blocks(bounds[rank], qb)
+
+    def layout(order: list[int]) -> torch.Tensor:  # the position of each global key block in a K/V tensor
+        compact = torch.full((mask.num_kv_blocks,), -1, dtype=torch.int32)
+        compact[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order), dtype=torch.int32)
+        return compact.to(dev)
+
     if method == "allgather":
         longest = max(lengths)
+        compact = torch.full((mask.num_kv_blocks,), -1, dtype=torch.int32)
         for r in range(world):
             at = torch.arange(len(owned[r]), dtype=torch.int32) + r * (longest // kb)
             compact[torch.tensor(owned[r], dtype=torch.long)] = at
-        length, moves = world * longest, dict(longest=longest)
+        ex = _SparseExchange(method, _rows_of(mask, mine, compact.to(dev), world * longest), longest=longest)
+        cache[key] = ex
+        return ex
+    needs = _needs(mask, bounds, kb)
+    need = needs.need
+    owner_of = {j: r for r in range(world) for j in owned[r]}
+    send = [[j for j in need[r] if owner_of[j] == rank] for r in range(world)]
+    recv = [j for s in range(world) for j in need[rank] if owner_of[j] == s]
+    first = {j: i * kb for i, j in enumerate(owned[rank])}  # a block of this shard -> its first row
+    firsts = torch.tensor([first[j] for r in range(world) for j in send[r]], dtype=torch.long)
+    own_layout, recv_layout = layout(owned[rank]), layout(recv)
+    # The edge rows: query blocks (not guests) whose lists hold a received block.
+    guest_set = set(needs.guests[rank])
+    if recv:
+        cnt = mask.kv_num_blocks.cpu()[:, :, mine]
+        idx = mask.kv_indices.cpu()[:, :, mine].long()
+        live = torch.arange(idx.shape[-1]) < cnt[..., None]
+        hit = (live & torch.isin(idx, torch.tensor(recv))).flatten(0, 1).any(0).any(-1)
+        edge = [j for j, h in zip(mine, hit.tolist(), strict=True) if h and j not in guest_set]
     else:
-        need, _ = _needed_blocks(mask, bounds, kb)
-        owner_of = {j: r for r in range(world) for j in owned[r]}
-        send = [[j for j in need[r] if owner_of[j] == rank] for r in range(world)]
-        recv = [[j for j in need[rank] if owner_of[j] == s] for s in range(world)]
-        order = owned[rank] + [j for s in range(world) for j in recv[s]]
-        compact[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order), dtype=torch.int32)
-        first = {j: i * kb for i, j in enumerate(owned[rank])}  # a block of this shard -> its first row
-        firsts = torch.tensor([first[j] for r in range(world) for j in send[r]], dtype=torch.long)
-        recv_sizes = [len(recv[s]) * kb for s in range(world)]
-        length = lengths[rank] + sum(recv_sizes)
-        moves = dict(
-            send_rows=(firsts[:, None] + torch.arange(kb)).flatten().to(dev),
-            send_sizes=[len(send[r]) * kb for r in range(world)],
-            recv_sizes=recv_sizes,
+        edge = []
+    if len(edge) > _EDGE_SHARE * len(mine):
+        # Most rows touch received blocks (global key blocks, random blocks): one call against K
+        # and V laid out as this shard followed by the blocks received (a copy of the shard), the
+        # guest rows' lists cut to this shard's blocks.
+        full = layout(owned[rank] + recv)
+        which = torch.tensor([int(j in guest_set) for j in mine], dtype=torch.long, device=dev)
+        rows = _rows_of(mask, mine, torch.stack([full, own_layout]), lengths[rank] + len(recv) * kb, which)
+        edge_rows, edge_mask = None, None
+    else:
+        rows = _rows_of(mask, mine, own_layout, lengths[rank])
+        edge_rows = _shard_rows(bounds[rank], edge, qb, seq_len).to(dev)
+        edge_mask = _rows_of(mask, edge, recv_layout, len(recv) * kb)
+    guests = None
+    if any(needs.guests):
+        others = [j for s in range(world) if s != rank for j in needs.guests[s]]
+        n_guest = [len(g) * qb for g in needs.guests]
+        guests = _Guests(
+            own_rows=_shard_rows(bounds[rank], needs.guests[rank], qb, seq_len).to(dev),
+            rows=_rows_of(mask, others, own_layout, lengths[rank]),
+            send_sizes=[0 if s == rank else n_guest[rank] for s in range(world)],
+            recv_sizes=[0 if s == rank else n_guest[s] for s in range(world)],
         )
-    compact = compact.to(dev)
-    rows = _local_rows(mask, bounds[rank], compact, length)
-    ex = _SparseExchange(method, compact, length, rows, **moves)
+    ex = _SparseExchange(
+        method,
+        rows,
+        send_rows=(firsts[:, None] + torch.arange(kb)).flatten().to(dev),
+        send_sizes=[len(send[r]) * kb for r in range(world)],
+        recv_sizes=[sum(owner_of[j] == s for j in recv) * kb for s in range(world)],
+        edge_rows=edge_rows,
+        edge=edge_mask,
+        guests=guests,
+    )
     cache[key] = ex
     return ex
 
 
-def _local_rows(mask, chunks, compact: torch.Tensor, length: int):
-    """This rank's rows of the mask (its chunks' query blocks, in shard order) against a K/V
-    tensor of ``length`` tokens laid out as ``compact`` says: key blocks renumbered, each row's list
-    re-sorted ascending with its partial-mask entries moved along."""
+def _rows_of(mask, q_blocks: list[int], compact: torch.Tensor, length: int, which: torch.Tensor | None = None):
+    """Query blocks ``q_blocks`` of the mask (in that order) against a K/V tensor of ``length``
+    tokens laid out as ``compact`` says (the position of each global key block in it, -1: not
+    there; with ``which``, row block i takes layout ``compact[which[i]]``): key blocks renumbered,
+    those not there dropped, each row's list re-sorted ascending with its partial-mask entries
+    moved along. Rows: the blocks' rows (the sequence's last block may be short)."""
     from .masks import BlockSparseMask
 
-    qb = mask.q_block
-    spans = [slice(off // qb, -(-(off + n) // qb)) for off, n in chunks]
-    cnt = torch.cat([mask.kv_num_blocks[:, :, s] for s in spans], dim=2)
-    idx = torch.cat([mask.kv_indices[:, :, s] for s in spans], dim=2)
-    part = torch.cat([mask.kv_partial[:, :, s] for s in spans], dim=2)
-    live = torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]
+    blocks = torch.tensor(q_blocks, dtype=torch.long, device=mask.kv_indices.device)
+    cnt = mask.kv_num_blocks.index_select(2, blocks)
+    idx = mask.kv_indices.index_select(2, blocks).long()
+    part = mask.kv_partial.index_select(2, blocks)
+    new = compact[idx] if which is None else compact.flatten()[which[:, None] * compact.shape[1] + idx]
+    live = (torch.arange(idx.shape[-1], device=idx.device) < cnt[..., None]) & (new >= 0)
     big = torch.iinfo(torch.int32).max
-    new = torch.where(live, compact[idx.long()], big)
-    new, order = new.sort(-1)
+    new, order = torch.where(live, new, big).sort(-1)
     part = part.gather(-1, order)
     new = torch.where(new == big, 0, new).to(torch.int32)
-    lq = sum(n for _, n in chunks)
+    qb, lq = mask.q_block, mask.seq_lengths[0]
+    rows = sum(min(qb, lq - j * qb) for j in q_blocks)
     return BlockSparseMask._trusted(
-        cnt.contiguous(), new.contiguous(), part.contiguous(), mask.partial_masks, (lq, length), mask.block_size
+        live.sum(-1, dtype=torch.int32).contiguous(),
+        new.contiguous(),
+        part.contiguous(),
+        mask.partial_masks,
+        (rows, length),
+        mask.block_size,
     )
 
 
@@ -689,12 +984,19 @@ def context_parallel_block_sparse_attention(
     sequence, the same on every rank) over a sequence sharded across ``group``. Each rank computes
     only its query chunks' rows of the mask. ``method="alltoall"``: each rank receives only the key
     blocks its rows touch (one all-to-all of K and one of V, differentiable): communication
-    proportional to the blocks touched. ``"allgather"``: K and V gathered whole, cheaper in copies
-    when some rank needs most blocks anyway (global tokens). None: all-to-all unless some rank needs
-    more than half of the others' blocks. One kernel call covers all of this rank's rows, against
-    K and V laid out as the schedule says (this shard, then what it receives). Which blocks go where,
-    and this rank's rows of the mask renumbered to that layout, are made on the host once and kept
-    with the mask (a mask is not modified).
+    proportional to the blocks touched. Where few rows touch received blocks (a band: the rows next
+    to a chunk's ends) one kernel call runs all of this rank's rows against its shard in place and a
+    second one those rows against the received blocks, the two merged by their LSEs in fp32 (no
+    copy of K or V); otherwise one call runs against this shard followed by the received blocks.
+    The queries of rows that touch more than half of the other ranks' blocks (global tokens' rows)
+    travel instead of the keys: each rank attends them to its own shard (their keys split over
+    several CTAs) and sends the partial outputs back to be merged in fp32 (three more all-to-alls, of
+    a few rows each). ``"allgather"``: K and V gathered whole, cheaper in copies when the other rows
+    of some rank need most blocks anyway. None: all-to-all unless some rank's other rows need more
+    than half of the others' blocks. Which blocks go where, and this rank's rows of the mask
+    renumbered to match, are made on the host once and kept with the mask (a mask is not modified).
+    The backward runs the same calls' backward passes given the merged output and LSE, the K/V
+    gradients of received blocks and the guests' query gradients going back to their owners.
     The chunks of ``layout`` must start at multiples of the mask's blocks and L be a multiple of
     the key block (e.g. L a multiple of 2P * 128 for the zigzag layout and 128-token blocks).
 
@@ -729,12 +1031,17 @@ def context_parallel_block_sparse_attention(
     if method not in (None, "alltoall", "allgather"):
         raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
     if method is None:
-        method = "allgather" if _needed_blocks(mask, bounds, kb)[1] > 0.5 else "alltoall"
+        method = "allgather" if _needs(mask, bounds, kb).busiest > 0.5 else "alltoall"
     # One call over all of this rank's rows: K and V laid out as the exchange says (this shard,
-    # then the blocks received; or every shard), the mask's rows renumbered to that layout.
+    # then the blocks received; or every shard), the mask's rows renumbered to that layout. Rows
+    # that touch most of the sequence (all-to-all) see only this shard there; their queries go to
+    # the other ranks, whose partials come back and are merged in.
     ex = _sparse_exchange(mask, bounds, rank, method, query.device)
-    k_all, v_all = ex.kv(key, group), ex.kv(value, group)
-    out, lse = block_sparse_attention(query, k_all, v_all, ex.rows, scale=scale, return_lse=True)
+    if method == "allgather":
+        k_all, v_all = (_AllShards.apply(x, ex.longest, group, 2) for x in (key, value))
+        out, lse = block_sparse_attention(query, k_all, v_all, ex.rows, scale=scale, return_lse=True)
+    else:
+        out, lse = _SparseAllToAll.apply(query, key, value, ex, scale, group)
     return (out, lse) if return_lse else out
 
 

@@ -103,13 +103,17 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
 def _block_sparse_case(rank, world, errors, device="cpu", dtype=torch.float32, tol=1e-4, scale_len=1):
     """Global masks over 2P chunks: Longformer-style (window + global tokens, 64-token blocks), a
     causal band of 128-token blocks, and random blocks with 64-row query blocks against 128-key
-    blocks; every schedule, each called twice (the second reuses the layout and rows kept with the
-    mask), outputs, LSEs and gradients against the single-process op."""
+    blocks; every schedule, the all-to-all in both of its forms (received key blocks in a copy of
+    the shard, or a second call for the edge rows), each called twice (the second reuses the
+    layout and rows kept with the mask), outputs, LSEs and gradients against the single-process
+    op."""
     from sparse_attn import patterns
 
     g = torch.Generator().manual_seed(7)
     cases = [
         ("longformer", 2 * world * 128, lambda n: patterns.longformer(n, 48, range(8), block_size=64)),
+        # global tokens in the first chunk and in the middle one: guest rows on two ranks
+        ("globals", 2 * world * 128, lambda n: patterns.longformer(n, 48, [*range(4), n // 2 + 3], block_size=64)),
         ("band", 2 * world * 256, lambda n: patterns.sliding_window(n, (200, 0), block_size=128)),
         ("random", 2 * world * 256, lambda n: patterns.random_blocks(n, 0.3, seed=3, block_size=(64, 128))),
     ]
@@ -122,17 +126,32 @@ def _block_sparse_case(rank, world, errors, device="cpu", dtype=torch.float32, t
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         ref, ref_lse = sparse_attn.block_sparse_attention(*full, mask, return_lse=True)
         ref_grads = torch.autograd.grad(ref, full, dout)
-        for method in ("alltoall", "allgather", None, "alltoall"):
+        forms = [("alltoall", 1.0), ("alltoall", 0.0), ("allgather", 0.25), (None, 0.25), ("alltoall", 0.25)]
+        for method, edge_share in forms + forms[-1:]:
+            if edge_share != cp._EDGE_SHARE:  # the exchange of the other form, made again
+                cp._EDGE_SHARE = edge_share
+                mask.__dict__.pop("_cp_exchange", None)
             local = [cp.shard_sequence(t).requires_grad_() for t in (q, k, v)]
             out, lse = cp.context_parallel_block_sparse_attention(*local, mask, method=method, return_lse=True)
+            if method == "alltoall":
+                edge = cp._sparse_exchange(mask, cp.chunk_bounds(length, world), rank, method, q.device).edge
+                if (edge is None) != (edge_share == 0.0) and edge_share != 0.25:
+                    errors.put(f"rank {rank} {name}: edge share {edge_share} gave the other form")
             grads = torch.autograd.grad(out, local, cp.shard_sequence(dout))
+            if method == "alltoall" and name in ("longformer", "globals"):
+                # the global tokens' query blocks (and only they) travel as guests
+                needs = cp._needs(mask, cp.chunk_bounds(length, world), mask.kv_block)
+                want = [[0], [0, length // 2 // 64]][name == "globals"]
+                got = sorted(j for g in needs.guests for j in g)
+                if got != want:
+                    errors.put(f"rank {rank} {name}: guest blocks {got}, want {want}")
             pairs = zip(("out", "dq", "dk", "dv", "lse"), (out, *grads, lse), (ref, *ref_grads, ref_lse), strict=True)
             for what, got, exp in pairs:
                 exp = cp.shard_sequence(exp.detach()).float()
                 got = got.float()
                 err = torch.where(got == exp, 0.0, got - exp).abs().max().item()  # a row of no key: -inf both
                 if not err <= tol * max(1.0, exp.nan_to_num(0, 0, 0).abs().max().item()):
-                    errors.put(f"rank {rank} block-sparse {name} {method}: {what} max error {err:.2e}")
+                    errors.put(f"rank {rank} block-sparse {name} {method} {edge_share}: {what} max error {err:.2e}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -156,6 +175,46 @@ def test_context_parallel_nccl_two_gpus():
     while not errors.empty():
         found.append(errors.get())
     assert not found, "\n".join(found)
+
+
+def test_split_rows_partition_each_list_and_merge_back():
+    """_split_rows (a guest row block's keys over several CTAs): replica s of a row keeps entries
+    s, s + S, ... of its list, ascending, with their partial-mask entries; together the replicas
+    hold each entry exactly once; and attention over the replicated queries, merged by the LSEs
+    (_merge_partials), equals the unsplit row's, including a row with no key."""
+    from sparse_attn import patterns
+
+    n = 1024
+    mask = patterns.random_blocks(n, 0.4, seed=5, block_size=(64, 128))
+    mask.kv_num_blocks[0, 0, 3] = 0  # a row that sees nothing
+    rows = cp._rows_of(mask, [0, 3, 7, 12], torch.arange(mask.num_kv_blocks, dtype=torch.int32), n)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 1, rows.seq_lengths[0], 32, generator=g)
+    k, v = (torch.randn(1, 1, n, 32, generator=g) for _ in range(2))
+    ref, ref_lse = sparse_attn.block_sparse_attention(q, k, v, rows, return_lse=True)
+    for splits in (1, 2, 3, 8):
+        split = cp._split_rows(rows, splits)
+        for r in range(4):
+            whole = rows.kv_indices[0, 0, r, : rows.kv_num_blocks[0, 0, r]].tolist()
+            pid = rows.kv_partial[0, 0, r, : rows.kv_num_blocks[0, 0, r]].tolist()
+            got, got_pid = [], []
+            for s in range(splits):
+                c = int(split.kv_num_blocks[0, 0, r * splits + s])
+                part = split.kv_indices[0, 0, r * splits + s, :c].tolist()
+                assert part == whole[s::splits], (splits, r, s)
+                got += part
+                got_pid += split.kv_partial[0, 0, r * splits + s, :c].tolist()
+            assert sorted(got) == whole and sorted(zip(got, got_pid, strict=True)) == list(zip(whole, pid, strict=True))
+        qb = rows.q_block
+        q_rep = q.movedim(2, 0).unflatten(0, (-1, 1, qb)).expand(-1, splits, -1, 1, 1, 32).flatten(0, 2).movedim(0, 2)
+        o, lse = sparse_attn.block_sparse_attention(q_rep, k, v, split, return_lse=True)
+        o, lse = cp._merge_partials(
+            o.movedim(2, 0).unflatten(0, (-1, splits, qb)), lse.movedim(2, 0).unflatten(0, (-1, splits, qb)), 1
+        )
+        torch.testing.assert_close(o.flatten(0, 1).movedim(0, 2), ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(torch.isinf(lse.flatten(0, 1).movedim(0, 2)), torch.isinf(ref_lse))
+        finite = torch.isfinite(ref_lse)
+        torch.testing.assert_close(lse.flatten(0, 1).movedim(0, 2)[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
 
 
 def test_chunk_bounds():
