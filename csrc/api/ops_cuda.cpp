@@ -50,16 +50,19 @@ void launch_flash(const AttnFwdParams& params, const FlashPlan& plan, const QkvS
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   check_grid(s, plan.tile.block_m);
   // The Hopper kernel's scratch (a stream-ordered allocation, freed back to the same stream once
-  // the launch is queued): its dynamic tile scheduler's counter, which counts from zero, then one
-  // 16-byte record per (query tile, consumer warp) for rows whose output is not finite.
+  // the launch is queued): its dynamic tile scheduler's counter, which counts from zero, then, at
+  // the head dims whose output it checks, one 16-byte record per (query tile, consumer warp) for
+  // rows whose output is not finite.
   AttnFwdParams p = params;
   at::Tensor scratch;
   if (plan.core == Core::kHopper) {
-    const int64_t records =
-        int64_t(s.b) * s.h * ((s.lq + plan.tile.block_m - 1) / plan.tile.block_m) * (plan.tile.block_m / 16);
+    const int64_t records = sm90_fwd_checks_hidden_values(padded_head_dim(p.d))
+                                ? int64_t(s.b) * s.h * ((s.lq + plan.tile.block_m - 1) / plan.tile.block_m) *
+                                      (plan.tile.block_m / 16)
+                                : 0;
     scratch = at::empty({4 + 4 * records},
                         at::TensorOptions().dtype(at::kInt).device(at::kCUDA, c10::cuda::current_device()));
-    p.hidden_records = scratch.data_ptr<int32_t>() + 4;
+    p.hidden_records = records > 0 ? scratch.data_ptr<int32_t>() + 4 : nullptr;
     if (plan.schedule == Schedule::kDynamic) {
       C10_CUDA_CHECK(cudaMemsetAsync(scratch.data_ptr(), 0, sizeof(int32_t), stream));
       p.tile_counter = scratch.data_ptr<int32_t>();

@@ -21,6 +21,11 @@ cudaError_t run_flash_fwd_(const AttnFwdParams& params, const FlashPlan& plan, c
 template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, const FlashPlan& plan, cudaStream_t stream);
 
+// Whether the Hopper core at this (padded) head dim checks its output for hidden NaN / Inf values
+// and so needs params.hidden_records (hidden_values.cuh; not at 128: docs/PERF_LOG.md, "hidden
+// values").
+constexpr bool sm90_fwd_checks_hidden_values(int head_dim) { return head_dim == 64; }
+
 // fp32 inputs (any head dim up to 256): exact fp32 arithmetic on the CUDA cores.
 template <Variant kVariant>
 cudaError_t run_flash_fwd_fp32_(const AttnFwdParams& params, cudaStream_t stream);

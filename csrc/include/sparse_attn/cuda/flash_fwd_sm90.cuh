@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   // Hidden NaN / Inf values (hidden_values.cuh): checked at head dim 64 only. At 128 every
   // placement tried slowed the window kernel by 4-13 % on some shape, this one even where its
   // branch is never taken (docs/PERF_LOG.md, "hidden values").
-  constexpr bool kCheckHidden = Tr::kHeadDim == 64;
+  constexpr bool kCheckHidden = sm90_fwd_checks_hidden_values(Tr::kHeadDim);
   if (kCheckHidden && lane == 0) fix_head[wg * 4 + warp] = -1;
   // Query tiles per (batch, head), for hidden_records' indices: evaluated in the rare branch, not
   // held in a register across the tile loop.
@@ -586,7 +586,8 @@ cudaError_t launch_flash_fwd_sm90(const AttnFwdParams& params, const FlashPlan& 
     return cudaErrorInvalidValue;
   const bool dynamic = plan.schedule == Schedule::kDynamic;
   if (dynamic && params.tile_counter == nullptr) return cudaErrorInvalidValue;
-  if (params.hidden_records == nullptr || reinterpret_cast<uintptr_t>(params.hidden_records) % 16 != 0)
+  if (sm90_fwd_checks_hidden_values(Tr::kHeadDim) &&
+      (params.hidden_records == nullptr || reinterpret_cast<uintptr_t>(params.hidden_records) % 16 != 0))
     return cudaErrorInvalidValue;
   FlashSm90Args args;
   args.p = params;
