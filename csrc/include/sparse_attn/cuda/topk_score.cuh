@@ -107,8 +107,12 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? 4 : 1)
   // group by a hash of the group. (A fixed split + i * n_splits sent every high score of a row to
   // one split's slice of its candidates, and the row to the fallback, whenever the scores had a
   // period of n_splits tiles: a position component of that wavelength.)
+  // (The rotation: 16 bits of a multiplicative hash of the group scaled to [0, n_splits), no
+  // integer division in the loop.)
   auto tile_of = [&](int i) {
-    return i * p.n_splits + int((unsigned(split) + ((unsigned(i) * 2654435761u) >> 16)) % unsigned(p.n_splits));
+    const int rot = int((((unsigned(i) * 2654435761u) >> 16) * unsigned(p.n_splits)) >> 16);
+    const int x = split + rot;
+    return i * p.n_splits + (x >= p.n_splits ? x - p.n_splits : x);
   };
   const int groups = n_it / p.n_splits;
   const int my_n = groups + (tile_of(groups) < n_it ? 1 : 0);  // tiles of this CTA
