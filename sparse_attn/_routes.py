@@ -92,20 +92,19 @@ def schedule(m: BlockSparseMask) -> torch.Tensor:
     return order
 
 
+def _mask_args(m: BlockSparseMask) -> tuple:
+    """The block kernels' mask arguments, in their schema's order."""
+    return m.kv_num_blocks, m.kv_indices, m.kv_partial, m.partial_masks, m.q_block, m.kv_block
+
+
 def block_kernel(query, key, value, m: BlockSparseMask, scale):
-    return _ops.block_sparse_fwd.default(
-        query,
-        key,
-        value,
-        m.kv_num_blocks,
-        m.kv_indices,
-        m.kv_partial,
-        m.partial_masks,
-        m.q_block,
-        m.kv_block,
-        scale,
-        schedule(m),
-    )
+    return _ops.block_sparse_fwd.default(query, key, value, *_mask_args(m), scale, schedule(m))
+
+
+def block_kernel_backward(grad_out, query, key, value, out, lse, grad_lse, m: BlockSparseMask, scale):
+    """(dq, dk, dv) of the pairs of m, given the rows' out and lse (those of a softmax over more keys
+    than m holds, when the forward was split over key sets: each part's backward is then exact)."""
+    return _ops.block_sparse_bwd.default(grad_out, query, key, value, out, lse, grad_lse, *_mask_args(m), scale)
 
 
 def block_topk_mask(query, key, k: int, block_size: int, causal: bool):

@@ -567,24 +567,10 @@ def _block_fwd(q, k, v, m: BlockSparseMask, scale):
 
 
 def _block_bwd(g, q, k, v, out, lse, gl, m: BlockSparseMask, scale):
-    """(dq, dk, dv) of the pairs of m given the final out and lse of the rows (their softmax runs
-    over more keys than m holds: the standard split of a backward over key sets)."""
-    return _ops.block_sparse_bwd(
-        g,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        gl,
-        m.kv_num_blocks,
-        m.kv_indices,
-        m.kv_partial,
-        m.partial_masks,
-        m.q_block,
-        m.kv_block,
-        _args.scale(scale),
-    )
+    """(dq, dk, dv) of the pairs of m given the merged out and lse of the rows."""
+    from ._routes import block_kernel_backward
+
+    return block_kernel_backward(g, q, k, v, out, lse, gl, m, _args.scale(scale))
 
 
 def _merge_partials(o: torch.Tensor, lse: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
