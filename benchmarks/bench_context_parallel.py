@@ -188,8 +188,7 @@ def measure_sparse(length: int, reps: int) -> list[tuple[str, float, float, floa
             out.append((f"{name} {method}", one, t, mem.item() / mem_one))
 
         one_fb = timed(lambda mask=mask: _train(sparse_attn.block_sparse_attention, (q, k, v), mask, dout), reps)
-        bounds = cp.chunk_bounds(length, dist.get_world_size())
-        picked = "allgather" if cp._needs(mask, bounds, mask.kv_block).busiest > 0.5 else "alltoall"
+        picked = cp.plan_context_parallel_block_sparse(mask, dist.get_world_size(), dist.get_rank()).method
         for method in ("alltoall", "allgather"):
             train = functools.partial(cp.context_parallel_block_sparse_attention, method=method)
             cp_fb = timed(lambda mask=mask, train=train: _train(train, (ql, kl, vl), mask, dout_l), reps)

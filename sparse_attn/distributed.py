@@ -53,6 +53,7 @@ __all__ = [
     "context_parallel_topk_attention",
     "gather_sequence",
     "plan_context_parallel",
+    "plan_context_parallel_block_sparse",
     "shard_sequence",
 ]
 
@@ -832,6 +833,12 @@ def _needs(mask, bounds, kv_block: int) -> _Needs:
     return cache[key]
 
 
+def _sparse_method(needs: _Needs) -> str:
+    """The schedule method=None takes: the all-to-all unless some rank's rows (guests aside) need
+    more than half of the other ranks' key blocks."""
+    return "allgather" if needs.busiest > 0.5 else "alltoall"
+
+
 def _shard_rows(chunks, q_blocks: list[int], q_block: int, seq_len: int) -> torch.Tensor:
     """Rows of a rank's shard holding its query blocks ``q_blocks``, in order (the sequence's last
     block may be short)."""
@@ -877,16 +884,8 @@ def _sparse_exchange(mask, bounds, rank: int, method: str, dev) -> _SparseExchan
     first = {j: i * kb for i, j in enumerate(owned[rank])}  # a block of this shard -> its first row
     firsts = torch.tensor([first[j] for r in range(world) for j in send[r]], dtype=torch.long)
     own_layout, recv_layout = layout(owned[rank]), layout(recv)
-    # The edge rows: query blocks (not guests) whose lists hold a received block.
     guest_set = set(needs.guests[rank])
-    if recv:
-        cnt = mask.kv_num_blocks.cpu()[:, :, mine]
-        idx = mask.kv_indices.cpu()[:, :, mine].long()
-        live = torch.arange(idx.shape[-1]) < cnt[..., None]
-        hit = (live & torch.isin(idx, torch.tensor(recv))).flatten(0, 1).any(0).any(-1)
-        edge = [j for j, h in zip(mine, hit.tolist(), strict=True) if h and j not in guest_set]
-    else:
-        edge = []
+    edge = _edge_blocks(mask, mine, recv, guest_set)
     if len(edge) > _EDGE_SHARE * len(mine):
         # Most rows touch received blocks (global key blocks, random blocks): one call against K
         # and V laid out as this shard followed by the blocks received (a copy of the shard), the
@@ -921,6 +920,17 @@ def _sparse_exchange(mask, bounds, rank: int, method: str, dev) -> _SparseExchan
     )
     cache[key] = ex
     return ex
+
+
+def _edge_blocks(mask, mine: list[int], recv: list[int], guests: set[int]) -> list[int]:
+    """This rank's query blocks ``mine`` (not guests) whose lists hold a received key block."""
+    if not recv:
+        return []
+    cnt = mask.kv_num_blocks.cpu()[:, :, mine]
+    idx = mask.kv_indices.cpu()[:, :, mine].long()
+    live = torch.arange(idx.shape[-1]) < cnt[..., None]
+    hit = (live & torch.isin(idx, torch.tensor(recv))).flatten(0, 1).any(0).any(-1)
+    return [j for j, h in zip(mine, hit.tolist(), strict=True) if h and j not in guests]
 
 
 def _rows_of(mask, q_blocks: list[int], compact: torch.Tensor, length: int, which: torch.Tensor | None = None):
@@ -1017,7 +1027,7 @@ def context_parallel_block_sparse_attention(
     if method not in (None, "alltoall", "allgather"):
         raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
     if method is None:
-        method = "allgather" if _needs(mask, bounds, kb).busiest > 0.5 else "alltoall"
+        method = _sparse_method(_needs(mask, bounds, kb))
     # One call over all of this rank's rows: K and V laid out as the exchange says (this shard,
     # then the blocks received; or every shard), the mask's rows renumbered to that layout. Rows
     # that touch most of the sequence (all-to-all) see only this shard there; their queries go to
@@ -1029,6 +1039,74 @@ def context_parallel_block_sparse_attention(
     else:
         out, lse = _SparseAllToAll.apply(query, key, value, ex, scale, group)
     return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class BlockSparseContextParallelPlan:
+    """What ``context_parallel_block_sparse_attention`` does on one rank for a mask (see its
+    docstring): the schedule, the all-to-all's form, and the blocks behind them."""
+
+    method: str  # "alltoall" or "allgather"
+    form: str  # alltoall: "in place" (K/V read as held, a second call for the edge rows) or "copy"
+    received_blocks: int  # key blocks this rank receives (alltoall) or gathers (allgather)
+    edge_blocks: int  # alltoall, in place: query blocks merged from a second call
+    guest_blocks: int  # this rank's query blocks whose queries travel to the other ranks
+    guest_blocks_in: int  # the other ranks' such blocks this rank attends to its shard
+    why: str
+
+    def __str__(self) -> str:
+        form = f", {self.form}" if self.form else ""
+        return (
+            f"context_parallel_block_sparse_attention: {self.method}{form}; receives {self.received_blocks} key blocks"
+            f", {self.edge_blocks} edge query blocks, {self.guest_blocks} guest query blocks out, "
+            f"{self.guest_blocks_in} in\n  why: {self.why}"
+        )
+
+
+def plan_context_parallel_block_sparse(
+    mask, world: int, rank: int = 0, *, layout: str = "zigzag", method: str | None = None
+) -> BlockSparseContextParallelPlan:
+    """The schedule ``context_parallel_block_sparse_attention`` takes on ``rank`` of ``world`` for
+    a global ``mask``, and why (read from the mask on the host; no process group needed)."""
+    if method not in (None, "alltoall", "allgather"):
+        raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, world), got rank={rank}, world={world}")
+    bounds = chunk_bounds(mask.seq_lengths[1], world, layout)
+    kb = mask.kv_block
+    needs = _needs(mask, bounds, kb)
+    chosen = method or _sparse_method(needs)
+    forced = "forced by method=; " if method else ""
+    if chosen == "allgather":
+        n = mask.num_kv_blocks - len(_owned_blocks(bounds, kb)[rank])
+        why = (
+            f"{forced}the busiest rank's rows need {needs.busiest:.0%} of the other ranks' key blocks: "
+            "K and V gathered whole"
+        )
+        return BlockSparseContextParallelPlan("allgather", "", n, 0, 0, 0, why)
+    mine = _query_blocks(bounds[rank], mask.q_block)
+    guests = set(needs.guests[rank])
+    edge = _edge_blocks(mask, mine, needs.need[rank], guests)
+    in_place = len(edge) <= _EDGE_SHARE * len(mine)
+    guests_in = sum(len(g) for r, g in enumerate(needs.guests) if r != rank)
+    why = (
+        f"{forced}the busiest rank's rows need {needs.busiest:.0%} of the other ranks' key blocks: only those travel; "
+        + (
+            f"{len(edge)} of {len(mine)} query blocks touch them: K/V read in place, a second call for those rows"
+            if in_place
+            else f"{len(edge)} of {len(mine)} query blocks touch them: one call on K/V copied with the received blocks"
+        )
+        + (f"; {len(guests)} query blocks touch most of the sequence: their queries travel" if guests else "")
+    )
+    return BlockSparseContextParallelPlan(
+        "alltoall",
+        "in place" if in_place else "copy",
+        len(needs.need[rank]),
+        len(edge) if in_place else 0,
+        len(guests),
+        guests_in,
+        why,
+    )
 
 
 # -------------------------------------------------------------------------------------------- top-k

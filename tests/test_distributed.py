@@ -137,6 +137,9 @@ def _block_sparse_case(rank, world, errors, device="cpu", dtype=torch.float32, t
                 edge = cp._sparse_exchange(mask, cp.chunk_bounds(length, world), rank, method, q.device).edge
                 if (edge is None) != (edge_share == 0.0) and edge_share != 0.25:
                     errors.put(f"rank {rank} {name}: edge share {edge_share} gave the other form")
+                plan = cp.plan_context_parallel_block_sparse(mask, world, rank, method=method)
+                if plan.form != ("copy" if edge is None else "in place"):
+                    errors.put(f"rank {rank} {name}: the plan says {plan.form}, the call took the other form")
             grads = torch.autograd.grad(out, local, cp.shard_sequence(dout))
             if method == "alltoall" and name in ("longformer", "globals"):
                 # the global tokens' query blocks (and only they) travel as guests
@@ -215,6 +218,32 @@ def test_split_rows_partition_each_list_and_merge_back():
         assert torch.equal(torch.isinf(lse.flatten(0, 1).movedim(0, 2)), torch.isinf(ref_lse))
         finite = torch.isfinite(ref_lse)
         torch.testing.assert_close(lse.flatten(0, 1).movedim(0, 2)[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
+
+
+def test_block_sparse_plan_names_the_schedule():
+    """plan_context_parallel_block_sparse (no process group): a band takes the all-to-all with K/V
+    in place and a second call for the few rows next to a chunk's ends; Longformer's global row
+    block travels as a guest from rank 0 and is attended on rank 1, whose every row touches the
+    global key block (so its K/V are copied with the received blocks); dense random blocks take the
+    all-gather; method= forces; bad arguments raise."""
+    from sparse_attn import patterns
+
+    band = cp.plan_context_parallel_block_sparse(patterns.sliding_window(4096, (200, 0), block_size=128), 2)
+    assert (band.method, band.form, band.guest_blocks) == ("alltoall", "in place", 0), str(band)
+    assert 0 < band.edge_blocks <= 4 and band.received_blocks > 0, str(band)
+    lf = patterns.longformer(4096, 48, range(8), block_size=64)
+    r0, r1 = (cp.plan_context_parallel_block_sparse(lf, 2, r) for r in (0, 1))
+    assert (r0.method, r0.form, r0.guest_blocks, r0.guest_blocks_in) == ("alltoall", "in place", 1, 0), str(r0)
+    assert (r1.method, r1.form, r1.guest_blocks, r1.guest_blocks_in) == ("alltoall", "copy", 0, 1), str(r1)
+    assert "queries travel" in r0.why
+    rnd = cp.plan_context_parallel_block_sparse(patterns.random_blocks(4096, 0.3, seed=3, block_size=128), 2)
+    assert rnd.method == "allgather" and rnd.received_blocks == 16, str(rnd)
+    forced = cp.plan_context_parallel_block_sparse(patterns.random_blocks(4096, 0.3, seed=3), 4, 3, method="alltoall")
+    assert forced.method == "alltoall" and forced.why.startswith("forced"), str(forced)
+    with pytest.raises(ValueError, match="method"):
+        cp.plan_context_parallel_block_sparse(lf, 2, method="ring")
+    with pytest.raises(ValueError, match="rank"):
+        cp.plan_context_parallel_block_sparse(lf, 2, 2)
 
 
 def test_chunk_bounds():
