@@ -474,7 +474,14 @@ class _WithRowsOfOthers(torch.autograd.Function):
     def backward(ctx, grad):
         (send_rows,) = ctx.saved_tensors
         send_sizes, recv_sizes = ctx.sizes
-        return _rows_back(grad, ctx.lr, send_rows, send_sizes, recv_sizes, ctx.group), None, None, None, None
+        mine = grad[:, :, : ctx.lr].clone()
+        return (
+            _rows_back(mine, grad[:, :, ctx.lr :], send_rows, send_sizes, recv_sizes, ctx.group),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _with_rows_of_others(x, send_rows, send_sizes, recv_sizes, group):
@@ -493,14 +500,12 @@ def _with_rows_of_others(x, send_rows, send_sizes, recv_sizes, group):
     return buf
 
 
-def _rows_back(grad, lr, send_rows, send_sizes, recv_sizes, group):
-    """The gradient of a shard laid out as _with_rows_of_others made it: its own rows', plus those
-    of the rows it sent, returned by their receivers (the reverse all-to-all)."""
-    g = grad.movedim(2, 0)
-    back = _exchange(g[lr:], recv_sizes, send_sizes, group)
-    mine = g[:lr].clone(memory_format=torch.contiguous_format)
-    mine.index_add_(0, send_rows, back)
-    return mine.movedim(0, 2)
+def _rows_back(mine, received, send_rows, send_sizes, recv_sizes, group):
+    """A shard's gradient ``mine`` (B, H, L_r, D), to which the gradients of the rows it sent are
+    added in place, returned by their receivers (``received``: this rank's gradients of the rows it
+    got, (B, H, n, D)) through the reverse all-to-all."""
+    back = _exchange(received.movedim(2, 0), recv_sizes, send_sizes, group)
+    return mine.index_add_(2, send_rows, back.movedim(0, 2))
 
 
 class _AllShards(torch.autograd.Function):
@@ -669,7 +674,6 @@ class _SparseExchange:
     are against this shard followed by the received blocks (one copy of the shard). ``guests``:
     the rows that touch most blocks."""
 
-    method: str
     rows: BlockSparseMask
     longest: int = 0  # allgather: tokens of the longest shard
     send_rows: torch.Tensor | None = None  # (n,) int64
@@ -743,7 +747,8 @@ class _SparseAllToAll(torch.autograd.Function):
         moves = (ex.send_rows, ex.send_sizes, ex.recv_sizes, group)
         if ex.edge is None:
             dq, dk_in, dv_in = _block_bwd(g, q, k_in, v_in, out, lse, gl, ex.rows, scale)
-            dk, dv = (_rows_back(d, k.shape[2], *moves) for d in (dk_in, dv_in))
+            lr = k.shape[2]
+            dk, dv = (_rows_back(d[:, :, :lr].clone(), d[:, :, lr:], *moves) for d in (dk_in, dv_in))
         else:
             dq, dk, dv = _block_bwd(g, q, k, v, out, lse, gl, ex.rows, scale)
             rows = ex.edge_rows
@@ -754,9 +759,7 @@ class _SparseAllToAll(torch.autograd.Function):
                 dq.index_add_(2, rows, dq_e)
             else:
                 dk_in, dv_in = torch.zeros_like(k_in), torch.zeros_like(v_in)
-            for d, d_in in ((dk, dk_in), (dv, dv_in)):
-                back = _exchange(d_in.movedim(2, 0), ex.recv_sizes, ex.send_sizes, group)
-                d.index_add_(2, ex.send_rows, back.movedim(0, 2))
+            dk, dv = (_rows_back(d, d_in, *moves) for d, d_in in ((dk, dk_in), (dv, dv_in)))
         if gs is not None:
             dk.add_(dk_g)
             dv.add_(dv_g)
@@ -862,7 +865,7 @@ def _sparse_exchange(mask, bounds, rank: int, method: str, dev) -> _SparseExchan
         for r in range(world):
             at = torch.arange(len(owned[r]), dtype=torch.int32) + r * (longest // kb)
             compact[torch.tensor(owned[r], dtype=torch.long)] = at
-        ex = _SparseExchange(method, _rows_of(mask, mine, compact.to(dev), world * longest), longest=longest)
+        ex = _SparseExchange(_rows_of(mask, mine, compact.to(dev), world * longest), longest=longest)
         cache[key] = ex
         return ex
     needs = _needs(mask, bounds, kb)
@@ -898,7 +901,6 @@ def _sparse_exchange(mask, bounds, rank: int, method: str, dev) -> _SparseExchan
             recv_sizes=[0 if s == rank else n_guest[s] for s in range(world)],
         )
     ex = _SparseExchange(
-        method,
         rows,
         send_rows=(firsts[:, None] + torch.arange(kb)).flatten().to(dev),
         send_sizes=[len(send[r]) * kb for r in range(world)],
