@@ -1,12 +1,14 @@
-"""Context parallelism on the GPUs of one host: sparse_attn.distributed.context_parallel_attention (ring,
-zigzag layout) against one GPU's flash_attention and SDPA cuDNN on the whole sequence, and against
-PyTorch's context-parallel SDPA (torch.distributed.tensor.experimental.context_parallel) on the same
-GPUs, in one run (bf16, B = 1, H = Hkv = 16, D = 128, causal); then block-sparse masks
-(context_parallel_block_sparse_attention) and indexer top-k (context_parallel_topk_attention, one K/V
-head, k = 2048) against one GPU on the same inputs (``--tables`` picks).
+"""Context parallelism on the GPUs of one host: sparse_attn.distributed.context_parallel_attention (the
+schedule its plan picks, and the K/V ring in the "ring" columns; zigzag layout) against one GPU's
+flash_attention and SDPA cuDNN on the whole sequence, and against PyTorch's context-parallel SDPA
+(torch.distributed.tensor.experimental.context_parallel) on the same GPUs, in one run (bf16, B = 1,
+H = Hkv = 16, D = 128, causal); then block-sparse masks (context_parallel_block_sparse_attention)
+and indexer top-k (context_parallel_topk_attention, one K/V head, k = 2048) against one GPU on the
+same inputs (``--tables`` picks).
 
 Times: median of --reps calls, each the slowest rank's (CUDA events, barrier before each call).
-Memory: peak bytes allocated during a forward call on a rank (inputs included), against one GPU's.
+Memory: peak bytes allocated during a forward call on the largest rank (inputs included), against one
+GPU's.
 The projection to more GPUs uses the measured per-step compute and the measured link bandwidth.
 
     torchrun --nproc_per_node 2 benchmarks/bench_context_parallel.py --lengths 131072 262144
@@ -101,12 +103,18 @@ def measure(length: int, reps: int, mesh, world: int, bw: float) -> dict:
 
     ql, kl, vl = (cp.shard_sequence(t) for t in (q, k, v))
 
-    def ours_cp():
-        return cp.context_parallel_attention(ql, kl, vl, causal=True, seq_len=length)
+    def ours_cp(method=None):
+        return cp.context_parallel_attention(ql, kl, vl, causal=True, seq_len=length, method=method)
 
-    one, one_cudnn, ours = timed(ours_one, reps), timed(cudnn, reps), timed(ours_cp, reps)
+    def ours_ring():
+        return ours_cp("ring")
+
+    one, one_cudnn, ours, ring = (timed(f, reps) for f in (ours_one, cudnn, ours_cp, ours_ring))
     mem_one = peak_bytes(ours_one) + 3 * q.numel() * 2  # inputs included
-    mem_cp = peak_bytes(ours_cp) + 3 * ql.numel() * 2
+    # the largest rank's peak (the ranks' buffers differ with their slices)
+    mems = torch.tensor([float(peak_bytes(f) + 3 * ql.numel() * 2) for f in (ours_cp, ours_ring)], device="cuda")
+    dist.all_reduce(mems, op=dist.ReduceOp.MAX)
+    mem_cp, mem_ring = mems.tolist()
     try:
         theirs = timed(torch_cp(q.clone(), k.clone(), v.clone(), mesh), reps)
     except Exception as e:  # noqa: BLE001  (an API this torch lacks)
@@ -139,6 +147,9 @@ def measure(length: int, reps: int, mesh, world: int, bw: float) -> dict:
         fwd_bwd_cp_ms=fb_cp,
         fwd_bwd_speedup=fb_one / fb_cp,
         mem_ratio=mem_cp / mem_one,
+        method=cp.plan_context_parallel(True, heads=(H, H)).method,
+        ring_ms=ring,
+        ring_mem_ratio=mem_ring / mem_one,
         link_gbs=bw,
     )
 
@@ -249,7 +260,8 @@ def main(argv=None) -> int:
         print(f"{world} x {torch.cuda.get_device_name()}; ring exchange {bw:.0f} GB/s per direction")
         print(
             f"{'L':>8} {'1 GPU ours':>10} {'1 GPU cuDNN':>11} {'CP ours':>8} {'torch CP':>8} "
-            f"{'speedup':>7} {'vs torch':>8} {'fwd+bwd 1':>9} {'fwd+bwd CP':>10} {'mem':>5}"
+            f"{'speedup':>7} {'vs torch':>8} {'fwd+bwd 1':>9} {'fwd+bwd CP':>10} {'mem':>5} "
+            f"{'ring ms':>8} {'ring mem':>8}"
         )
     for length in args.lengths if "flash" in args.tables else ():
         row = measure(length, args.reps, mesh, world, bw)
@@ -258,7 +270,8 @@ def main(argv=None) -> int:
             print(
                 f"{length:>8} {row['one_ms']:>10.2f} {row['one_cudnn_ms']:>11.2f} {row['cp_ms']:>8.2f} "
                 f"{row['torch_cp_ms']:>8.2f} {row['speedup']:>7.2f} {row['vs_torch_cp']:>8.2f} "
-                f"{row['fwd_bwd_one_ms']:>9.2f} {row['fwd_bwd_cp_ms']:>10.2f} {row['mem_ratio']:>5.2f}"
+                f"{row['fwd_bwd_one_ms']:>9.2f} {row['fwd_bwd_cp_ms']:>10.2f} {row['mem_ratio']:>5.2f} "
+                f"{row['ring_ms']:>8.2f} {row['ring_mem_ratio']:>8.2f}"
             )
         torch.cuda.empty_cache()
     for length in args.lengths if "sparse" in args.tables else ():

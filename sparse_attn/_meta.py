@@ -149,6 +149,14 @@ def _decode_block_select(block_scores, cache_seqlens, k, block_size, sinks, rece
     return block_scores.new_empty(b, dtype=torch.int32), block_scores.new_empty(b, kk, dtype=torch.int32)
 
 
+@torch.library.register_fake("sparse_attn::_merge_partial_")
+def _merge_partial_(out, lse, part, part_lse):
+    _check(out.dim() == 4 and part.shape == out.shape, "out and part must be (B, H, L, D) of one shape")
+    _check(lse.shape == out.shape[:3] and part_lse.shape == lse.shape, "lse and part_lse must be (B, H, L)")
+    _check(lse.dtype == part_lse.dtype == torch.float32, "lse and part_lse must be float32")
+    _check(part.dtype == out.dtype, f"part must have out's dtype {out.dtype}, got {part.dtype}")
+
+
 @torch.library.register_fake("sparse_attn::_selection_mask")
 def _selection_mask(indices, key_length, heads, q_block, kv_block, causal, row_offset, entry_block=1):
     from ._routes import selection_mask_size

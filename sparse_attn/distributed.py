@@ -11,8 +11,14 @@ output. The sequence of length L is cut into chunks (``layout``):
 Chunk sizes differ by at most one token when P (or 2P) does not divide L. :func:`shard_sequence` and
 :func:`gather_sequence` convert between a whole sequence and the shards.
 
-Two schedules (``method``), chosen by :func:`plan_context_parallel` unless given:
+Three schedules (``method``), chosen by :func:`plan_context_parallel` unless given:
 
+- ``"queries"`` (two ranks, as many K/V heads as query heads): each rank attends its shard to its own K/V in
+  one call; then, slice by slice (~32 per shard), every rank sends its query slice to the ranks whose
+  keys it can see, attends the slices it receives to its own K/V and returns those partial outputs
+  with their LSEs (P2P, issued a round ahead of the compute); the owner merges a slice's partials
+  in fp32 and rounds once. The bytes of a K/V ring when H = Hkv, and per rank only its shards plus
+  about ten slices (no second K/V shard, no fp32 output). The backward is the ring's.
 - ``"ring"``: P steps; the K/V shards travel around the ring (P2P send/recv, issued before each
   step's compute so they overlap it) and every rank attends its queries to the shard at hand,
   merging the partial outputs through their LSEs in fp32. Memory: two K/V shards per rank. The
@@ -181,26 +187,46 @@ class ContextParallelPlan:
         return f"context_parallel_attention: {self.method} ({self.layout} layout)\n  why: {self.why}"
 
 
-def plan_context_parallel(causal: bool = False, window=None, *, layout: str = "zigzag", method: str | None = None):
-    """The schedule a call would take, and why (``method`` forces one where it applies)."""
+def plan_context_parallel(
+    causal: bool = False,
+    window=None,
+    *,
+    layout: str = "zigzag",
+    method: str | None = None,
+    heads: tuple[int, int] | None = None,
+    world: int = 2,
+):
+    """The schedule a call would take, and why (``method`` forces one where it applies; ``heads``
+    = (H, Hkv) of the call, default equal; ``world`` the group's size)."""
     left, right = _args.window_bounds(window)
     windowed = left >= 0 or (right >= 0 and not causal)
-    if method not in (None, "ring", "allgather"):
-        raise ValueError(f"method must be None, 'ring' or 'allgather', got {method!r}")
-    if method == "ring" and windowed:
-        raise ValueError("the ring schedule takes dense or causal attention; a window needs method='allgather'")
+    if method not in (None, "queries", "ring", "allgather"):
+        raise ValueError(f"method must be None, 'queries', 'ring' or 'allgather', got {method!r}")
+    if method in ("queries", "ring") and windowed:
+        raise ValueError(f"the {method} schedule takes dense or causal attention; a window needs method='allgather'")
     if method is not None:
         return ContextParallelPlan(method, layout, "forced by method=")
     if windowed:
         return ContextParallelPlan(
             "allgather", layout, "a window: each query chunk attends to the key prefix it can see of the gathered K/V"
         )
+    balance = "; the zigzag layout gives every rank the same causal work" if causal and layout == "zigzag" else ""
+    h, hkv = heads or (1, 1)
+    if hkv >= h and world == 2:
+        return ContextParallelPlan(
+            "queries",
+            layout,
+            "dense or causal on two ranks, as many K/V heads as query heads: query slices travel to the other rank "
+            "and partial outputs come back (the bytes of a K/V ring), merged in fp32 slice by slice, so a rank "
+            "holds its shards and a few slices, not a second K/V shard and an fp32 output" + balance,
+        )
+    why = f"{h} query heads over {hkv} K/V heads: K/V shards are the fewer bytes" if hkv < h else f"{world} ranks"
     return ContextParallelPlan(
         "ring",
         layout,
-        "dense or causal: K/V shards travel the ring while each rank computes on the one at hand (two shards "
-        "of memory per rank, the transfers hidden behind the compute)"
-        + ("; the zigzag layout gives every rank the same causal work" if causal and layout == "zigzag" else ""),
+        f"dense or causal, {why}: K/V shards travel the ring while each rank computes on the one at hand (two "
+        "K/V shards and an fp32 output accumulator per rank, the transfers hidden behind the compute; on more than "
+        "two ranks the query slices measured slower: their rounds are not even per receiving rank)" + balance,
     )
 
 
@@ -310,52 +336,244 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors  # k, v padded to the longest shard
-        group, bounds = ctx.group, ctx.bounds
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        grad_out = grad_out.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        q_chunks = _local_chunks(bounds[rank])
-        cur, src = (k, v), rank
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for step in range(world):
-            pending = _rotate(cur, group, rank, world) if step + 1 < world else None
-            for ko, ks, lk in _local_chunks(bounds[src]):
-                for qo, qs, lq in q_chunks:
-                    pair = _pair(qo, lq, ko, lk, ctx.causal)
-                    if pair is None:
-                        continue
-                    keep, right = pair
-                    rows, keys = slice(qs, qs + lq), slice(ks, ks + keep)
-                    gq, gk, gv = _ops.flash_bwd.default(
-                        grad_out[:, :, rows],
-                        q[:, :, rows],
-                        cur[0][:, :, keys],
-                        cur[1][:, :, keys],
-                        out[:, :, rows],
-                        lse[:, :, rows],
-                        None,
-                        ctx.scale,
-                        False,
-                        -1,
-                        right,
-                    )
-                    dq[:, :, rows] += gq
-                    dk[:, :, keys] += gk
-                    dv[:, :, keys] += gv
-            # The gradients travel with their K/V shard; after the last step one more hop brings
-            # each shard's gradients home.
-            grads, reqs = _rotate((dk, dv), group, rank, world)
+        return (*_ring_backward(ctx, grad_out, q, k, v, out, lse), None, None, None, None)
+
+
+def _ring_backward(ctx, grad_out, q, k, v, out, lse):
+    """dq, dk, dv of a rank's shards by the ring (k, v padded to the longest shard): the K/V shards
+    travel as in the forward, their gradients with them, one more hop bringing each home."""
+    group, bounds = ctx.group, ctx.bounds
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    grad_out = grad_out.contiguous()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    q_chunks = _local_chunks(bounds[rank])
+    cur, src = (k, v), rank
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    for step in range(world):
+        pending = _rotate(cur, group, rank, world) if step + 1 < world else None
+        for ko, ks, lk in _local_chunks(bounds[src]):
+            for qo, qs, lq in q_chunks:
+                pair = _pair(qo, lq, ko, lk, ctx.causal)
+                if pair is None:
+                    continue
+                keep, right = pair
+                rows, keys = slice(qs, qs + lq), slice(ks, ks + keep)
+                gq, gk, gv = _ops.flash_bwd.default(
+                    grad_out[:, :, rows],
+                    q[:, :, rows],
+                    cur[0][:, :, keys],
+                    cur[1][:, :, keys],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    None,
+                    ctx.scale,
+                    False,
+                    -1,
+                    right,
+                )
+                dq[:, :, rows] += gq
+                dk[:, :, keys] += gk
+                dv[:, :, keys] += gv
+        # The gradients travel with their K/V shard; after the last step one more hop brings
+        # each shard's gradients home.
+        grads, reqs = _rotate((dk, dv), group, rank, world)
+        for req in reqs:
+            req.wait()
+        dk, dv = grads
+        if pending is not None:
+            bufs, reqs = pending
             for req in reqs:
                 req.wait()
-            dk, dv = grads
-            if pending is not None:
-                bufs, reqs = pending
-                for req in reqs:
-                    req.wait()
-                cur, src = tuple(bufs), (src - 1) % world
-        mine = sum(n for _, n in bounds[rank])
-        return dq.to(q.dtype), dk[:, :, :mine].to(k.dtype), dv[:, :, :mine].to(v.dtype), None, None, None, None
+            cur, src = tuple(bufs), (src - 1) % world
+    mine = sum(n for _, n in bounds[rank])
+    return dq.to(q.dtype), dk[:, :, :mine].to(k.dtype), dv[:, :, :mine].to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------- query slices
+# The "queries" schedule: each rank attends its whole shard to its own K/V (one call), then, slice
+# by slice of every rank's queries, sends its query slice to the ranks whose K/V it can see, attends
+# the slices it receives to its own K/V, and returns those partial outputs (with their LSEs); the
+# owner merges a slice's partials with its own in fp32, one rounding. Nothing of the size of a shard
+# is allocated besides the output: per rank the shards plus a few slices.
+_QUERY_SLICES = 32  # slices per rank's shard: ~18 of them in flight (0.53 of one GPU's memory at two ranks)
+_MIN_SLICE = 1024  # tokens: shorter slices would leave the kernel's grid short of the SMs
+
+
+def _slices(bounds, causal: bool) -> list[list[tuple[int, int, int]]]:
+    """Per rank, the query slices that travel (global offset, offset in the local shard, length):
+    the rows that see some other rank's keys, cut into about _QUERY_SLICES pieces of equal work
+    (rows x keys seen on the other ranks; constant within a chunk, as another rank's chunks are
+    wholly visible or not), so that in round t every rank computes the same amount for the others."""
+    shards = [_local_chunks(chunks) for chunks in bounds]
+
+    def remote_keys(r, off, n):  # keys a row of this chunk of rank r sees on the other ranks
+        calls = (_shard_call(off, n, shards[p], causal) for p in range(len(bounds)) if p != r)
+        return sum(c[0] for c in calls if c is not None)
+
+    work = [[(off, start, n, n * remote_keys(r, off, n)) for off, start, n in shards[r]] for r in range(len(bounds))]
+    # The work of one slice: a rank's work over _QUERY_SLICES, or more where a chunk would be cut
+    # into slices shorter than _MIN_SLICE (every chunk's slices then longer, so the rounds stay even).
+    target = max(sum(w for *_, w in chunks) for chunks in work) / _QUERY_SLICES
+    for chunks in work:
+        target = max([target, 1] + [w / max(1, n // _MIN_SLICE) for _, _, n, w in chunks if w])
+    out = []
+    for chunks in work:
+        mine = []
+        for off, start, n, w in chunks:
+            if w == 0:
+                continue
+            pieces = max(1, min(round(w / target), n))
+            at = 0
+            for i in range(pieces):
+                m = n // pieces + (1 if i < n % pieces else 0)
+                mine.append((off + at, start + at, m))
+                at += m
+        out.append(mine)
+    return out
+
+
+def _shard_call(qo: int, lq: int, key_chunks, causal: bool):
+    """How query rows [qo, qo + lq) attend to a shard whose chunks (global offset, local offset,
+    length) lie one after another: None (no key visible), or (keys, window_right) for one flash call
+    over the shard's first ``keys`` keys (every chunk before the last kept one wholly visible)."""
+    keys, right = 0, -1
+    for ko, ks, lk in key_chunks:
+        pair = _pair(qo, lq, ko, lk, causal)
+        if pair is None:
+            if lk:
+                break  # causal: the chunks after it lie further right
+            continue
+        keep, r = pair
+        keys = ks + keep
+        if keep < lk or r != -1:
+            right = r
+            break
+    return None if keys == 0 else (keys, right)
+
+
+class _QuerySlices(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bounds, scale, causal, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        out, lse = _query_slices_forward(q, k, v, bounds, scale, causal, group, rank, world)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bounds, ctx.scale, ctx.causal, ctx.group = bounds, scale, causal, group
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        k, v = _pad_shard(k, ctx.bounds), _pad_shard(v, ctx.bounds)
+        return (*_ring_backward(ctx, grad_out, q, k, v, out, lse), None, None, None, None)
+
+
+def _query_slices_forward(q, k, v, bounds, scale, causal, group, rank, world):
+    """_QuerySlices' forward. Round t: wait for the exchange posted in round t - 2 (it brought this
+    round's query slices and merges the partials it returned), post round t + 2's query slices with
+    the partials of round t - 1, attend the slices received to this rank's K/V. Two rounds ahead, an
+    exchange that NCCL can only start once a round's kernel leaves the SMs still lands before it is
+    needed."""
+
+    def peer(r):
+        return r if group is None else dist.get_global_rank(group, r)
+
+    slices = _slices(bounds, causal)
+    rounds = max(len(mine) for mine in slices)
+    shards = [_local_chunks(chunks) for chunks in bounds]
+    others = [p for p in range(world) if p != rank]
+    b, h, _, d = q.shape
+
+    def call(p, t, keys_of):  # slice t of rank p against rank keys_of's shard (None: no such slice or no key)
+        if not 0 <= t < len(slices[p]):
+            return None
+        return _shard_call(slices[p][t][0], slices[p][t][2], shards[keys_of], causal)
+
+    def queries(t):  # round t's query slices: (ops, {peer: received slice})
+        ops, got, mine = [], {}, None
+        for p in others:
+            if call(rank, t, p) is not None:
+                if mine is None:
+                    qs, lq = slices[rank][t][1:]
+                    mine = q[:, :, qs : qs + lq].contiguous()
+                ops.append(dist.P2POp(dist.isend, mine, peer(p), group))
+            if call(p, t, rank) is not None:
+                got[p] = q.new_empty(b, h, slices[p][t][2], d)
+                ops.append(dist.P2POp(dist.irecv, got[p], peer(p), group))
+        return ops, got
+
+    def partials(t, computed):  # round t's partials back to their owners: (ops, {peer: (o, lse)})
+        ops, got = [], {}
+        for p in others:
+            if p in computed:
+                o, o_lse = computed[p]
+                ops += [dist.P2POp(dist.isend, x, peer(p), group) for x in (_wire(o, order), o_lse.contiguous())]
+            if call(rank, t, p) is not None:
+                o = _empty_along(out, slices[rank][t][2])  # in the memory order of the kernel's outputs
+                got[p] = (o, out.new_empty(o.shape[:3], dtype=torch.float32))
+                ops += [dist.P2POp(dist.irecv, x, peer(p), group) for x in (_wire(o, order), got[p][1])]
+        return ops, got
+
+    pending, received = [], {}  # exchanges posted and not yet waited for; query slices by round
+
+    def post(t, q_round, o_round, computed):
+        ops_q, received[q_round] = queries(q_round)
+        ops_o, parts = partials(o_round, computed)
+        reqs = dist.batch_isend_irecv(ops_q + ops_o) if ops_q or ops_o else []
+        pending.append((t, reqs, o_round, parts))
+
+    def settle(upto):  # wait for the exchanges posted up to round ``upto``; merge the partials they returned
+        while pending and pending[0][0] <= upto:
+            _, reqs, o_round, parts = pending.pop(0)
+            for req in reqs:
+                req.wait()
+            if parts:
+                qs, lq = slices[rank][o_round][1:]
+                _merge_slice(out[:, :, qs : qs + lq], lse[:, :, qs : qs + lq], list(parts.values()))
+
+    # This rank's queries against its own K/V: one call (Lq = Lk, so the causal diagonal of the
+    # shard's own chunks is the kernel's; a zigzag shard's second chunk sees its first whole), under
+    # round 0's query slices; round 1's are posted while it runs.
+    post(-2, 0, -1, {})
+    out, lse = _ops.flash_fwd.default(q, k, v, scale, causal, -1, -1)
+    post(-1, 1, -1, {})
+    order = sorted(range(out.dim()), key=lambda i: -out.stride(i))
+    computed = {}
+    for t in range(rounds + 1):
+        settle(t - 2)
+        post(t, t + 2, t - 1, computed)
+        computed = {}
+        for p, qp in received.pop(t, {}).items():
+            keys, right = call(p, t, rank)
+            computed[p] = _ops.flash_fwd.default(qp, k[:, :, :keys], v[:, :, :keys], scale, False, -1, right)
+    settle(rounds)
+    return out, lse
+
+
+def _wire(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """x with its dimensions permuted to ``order`` (outermost first), contiguous: a view where x
+    lies that way in memory, else a copy; what a P2P op sends or receives into."""
+    x = x.permute(order)
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _merge_slice(out, lse, parts) -> None:
+    """out / lse (views of a slice of this rank's rows) merged in place with partials over other
+    keys [(o, lse)]: the softmax-weighted sum in fp32, rounded once (one fused kernel on CUDA for a
+    single part; else torch ops, where every LSE is finite: a part is computed only where its keys
+    are visible, and a row sees its own key)."""
+    if out.is_cuda and len(parts) == 1 and out.stride(-1) == parts[0][0].stride(-1) == 1:
+        _ops._merge_partial_.default(out, lse, *parts[0])
+        return
+    new = lse
+    for _, part_lse in parts:
+        new = torch.logaddexp(new, part_lse)
+    acc = torch.mul(out, torch.exp(lse - new).unsqueeze(-1))
+    for o, part_lse in parts:
+        acc.addcmul_(o, torch.exp(part_lse - new).unsqueeze(-1))
+    out.copy_(acc)
+    lse.copy_(new)
 
 
 # ------------------------------------------------------------------------------------------ allgather
@@ -409,10 +627,11 @@ def context_parallel_attention(
         The whole sequence's length; default: the sum of the ranks' shard lengths (one all-reduce).
     layout : {"zigzag", "contiguous"}
         How the sequence is cut into the ranks' shards (module docstring).
-    method : {None, "ring", "allgather"}
+    method : {None, "queries", "ring", "allgather"}
         The schedule; None lets :func:`plan_context_parallel` choose.
     return_lse : bool
-        Also return this rank's LSE shard, fp32 (B, H, L_r) (not differentiable on the ring).
+        Also return this rank's LSE shard, fp32 (B, H, L_r) (not differentiable on the ring and
+        the query slices).
 
     Returns
     -------
@@ -439,9 +658,13 @@ def context_parallel_attention(
     left, right = _args.window_bounds(window)
     if causal:
         right = 0
-    plan = plan_context_parallel(causal, window, layout=layout, method=method)
+    plan = plan_context_parallel(
+        causal, window, layout=layout, method=method, heads=(query.shape[1], key.shape[1]), world=world
+    )
     scale = _args.scale(scale)
-    if plan.method == "ring":
+    if plan.method == "queries":
+        out, lse = _QuerySlices.apply(query, key, value, bounds, scale, bool(causal), group)
+    elif plan.method == "ring":
         out, lse = _Ring.apply(query, key, value, bounds, scale, bool(causal), group)
     else:
         out, lse = _allgather_attention(query, key, value, bounds, rank, seq_len, scale, left, right, group)

@@ -6,6 +6,7 @@ size does not divide; block-sparse masks; top-k (exact and indexer selection, bo
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import traceback
@@ -28,6 +29,12 @@ CASES = [
     (97, 2, 2, False, (9, 30), "contiguous", "allgather"),
     (120, 2, 2, True, None, "zigzag", "allgather"),
     (77, 2, 1, False, (None, 5), "zigzag", None),
+    # the query slices (several per chunk: _MIN_SLICE is lowered in the workers)
+    (96, 2, 2, True, None, "zigzag", None),
+    (203, 4, 2, True, None, "zigzag", "queries"),
+    (131, 2, 2, False, None, "contiguous", "queries"),
+    (200, 2, 2, True, None, "contiguous", "queries"),
+    (17, 2, 2, True, None, "zigzag", "queries"),  # chunks of 2-3 tokens (one slice each)
 ]
 
 
@@ -57,6 +64,7 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
     torch.set_num_threads(1)
     # CPU: fp32, exact up to summation order. CUDA (NCCL): bf16, against the same op on one GPU.
     device, dtype, tol = ("cuda", torch.bfloat16, 3e-2) if backend == "nccl" else ("cpu", torch.float32, 1e-4)
+    cp._MIN_SLICE = 64 if backend == "nccl" else 4  # several query slices per chunk at these lengths
     if device == "cuda":
         torch.cuda.set_device(rank)
     try:
@@ -256,10 +264,63 @@ def test_chunk_bounds():
 
 
 def test_plan():
-    assert cp.plan_context_parallel(causal=True).method == "ring"
+    assert cp.plan_context_parallel(causal=True).method == "queries"
+    assert cp.plan_context_parallel(causal=True, heads=(16, 16)).method == "queries"
+    assert cp.plan_context_parallel(causal=False, heads=(16, 2)).method == "ring"
+    assert cp.plan_context_parallel(causal=True, heads=(16, 16), world=4).method == "ring"
     assert cp.plan_context_parallel(causal=True, window=(64, 0)).method == "allgather"
-    with pytest.raises(ValueError, match="window needs method='allgather'"):
-        cp.plan_context_parallel(causal=False, window=8, method="ring")
+    for method in ("ring", "queries"):
+        with pytest.raises(ValueError, match="window needs method='allgather'"):
+            cp.plan_context_parallel(causal=False, window=8, method=method)
+    with pytest.raises(ValueError, match="method must be"):
+        cp.plan_context_parallel(method="alltoall")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_query_slices_cover_each_shard_exactly(layout, causal, monkeypatch):
+    """The query slices of each rank are exactly its rows that see another rank's keys, in shard
+    order, of equal work (rows x other ranks' keys seen) across ranks; and the one flash call per
+    (slice, shard) that _shard_call names (a key prefix, a right window bound under bottom-right
+    alignment) sees exactly the keys of that shard the mask lets the slice see."""
+    monkeypatch.setattr(cp, "_MIN_SLICE", 3)
+    for world in (2, 3, 4):
+        for seq_len in (5, 29, 64, 203, 4096):
+            bounds = cp.chunk_bounds(seq_len, world, layout)
+            slices = cp._slices(bounds, causal)
+            keys_of = [torch.tensor([off + i for off, n in chunks for i in range(n)]) for chunks in bounds]
+            works = []
+            for r, mine in enumerate(slices):
+                rows = torch.tensor([off + i for off, n in bounds[r] for i in range(n)], dtype=torch.long)
+                others = torch.cat([keys_of[p] for p in range(world) if p != r])
+                seen = (
+                    (others[None, :] <= rows[:, None])
+                    if causal
+                    else torch.ones(len(rows), len(others), dtype=torch.bool)
+                )
+                want = rows[seen.any(1)].tolist()
+                assert [off + i for off, _, n in mine for i in range(n)] == want, (world, seq_len, r)
+                local = {off: at for (off, _), at in zip(bounds[r], [0, bounds[r][0][1]], strict=False)}
+                for off, qs, _ in mine:  # the offset in the shard matches the global offset
+                    chunk = max(o for o in local if o <= off)
+                    assert qs == local[chunk] + off - chunk
+                works += [int(seen[rows.tolist().index(off)].sum()) * n for off, _, n in mine]
+            if seq_len == 4096 and works:  # long enough for the cuts to be even
+                assert max(works) <= 1.5 * min(works), (world, layout, works)
+            for mine in slices:
+                for qo, _, lq in mine:
+                    for chunks, key_pos in zip(bounds, keys_of, strict=True):
+                        q_pos = torch.arange(qo, qo + lq)
+                        want = torch.ones(lq, len(key_pos), dtype=torch.bool)
+                        if causal:
+                            want = key_pos[None, :] <= q_pos[:, None]
+                        call = cp._shard_call(qo, lq, cp._local_chunks(chunks), causal)
+                        have = torch.zeros_like(want)
+                        if call is not None:
+                            keys, right = call
+                            j, i = torch.arange(len(key_pos))[None, :], torch.arange(lq)[:, None]
+                            have = (j < keys) & ((right < 0) | (j <= i + keys - lq + right))
+                        assert torch.equal(have, want), (world, seq_len, qo, lq, chunks)
 
 
 def test_needs_a_process_group():
@@ -370,3 +431,35 @@ def _mesh_cases(rank: int, world: int, errors) -> None:
         errors.put(f"rank {rank}: DTensor top-k output differs")
     with pytest.raises(ValueError, match="layout must be 'contiguous'"):
         cp.context_parallel_attention(*leaves, causal=True, layout="zigzag")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused merge is a CUDA kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [36, 64, 128])  # 36: rows not 16-byte aligned (element by element)
+def test_merge_partial_kernel(dtype, d):
+    """The fused LSE merge (context parallelism's query slices) on strided views: each row the fp32
+    softmax-weighted sum rounded once, rows where both LSEs are -inf kept as they were, rows outside
+    the view untouched."""
+    g = torch.Generator().manual_seed(d)
+    b, h, length = 2, 3, 41
+    whole = torch.randn(b, length, h, d, generator=g).to("cuda", dtype).transpose(1, 2)  # sequence-major
+    whole_lse = (3 * torch.randn(b, h, length, generator=g)).cuda()
+    rows = slice(5, 33)
+    part = torch.randn(b, h, 28, d, generator=g).to("cuda", dtype)
+    part_lse = (3 * torch.randn(b, h, 28, generator=g)).cuda()
+    whole_lse[0, 0, 7], part_lse[0, 1, 2] = -math.inf, -math.inf  # one side empty: the other side's row
+    whole_lse[1, 2, 9], part_lse[1, 2, 4] = -math.inf, -math.inf  # both empty: kept
+    before, before_lse = whole.clone(), whole_lse.clone()
+    o, lse = before[:, :, rows].double(), before_lse[:, :, rows].double()
+    new = torch.logaddexp(lse, part_lse.double())
+    w0 = torch.nan_to_num(torch.exp(lse - new)).unsqueeze(-1)
+    w1 = torch.nan_to_num(torch.exp(part_lse.double() - new)).unsqueeze(-1)
+    want = w0 * o + w1 * part.double()
+    want[1, 2, 4], new[1, 2, 4] = o[1, 2, 4], -math.inf
+    torch.ops.sparse_attn._merge_partial_.default(whole[:, :, rows], whole_lse[:, :, rows], part, part_lse)
+    ulp = torch.finfo(dtype).eps
+    err = (whole[:, :, rows].double() - want).abs()
+    assert (err <= ulp * want.abs() + 1e-6).all(), err.max().item()
+    assert torch.allclose(whole_lse[:, :, rows].double(), new, atol=1e-5, rtol=1e-6)
+    for sl in (slice(0, 5), slice(33, length)):
+        assert torch.equal(whole[:, :, sl], before[:, :, sl]) and torch.equal(whole_lse[:, :, sl], before_lse[:, :, sl])

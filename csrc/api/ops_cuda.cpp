@@ -13,6 +13,7 @@
 #include "sparse_attn/cuda/attn_bwd.h"
 #include "sparse_attn/cuda/flash_fwd.h"
 #include "sparse_attn/cuda/gather_fwd.h"
+#include "sparse_attn/cuda/merge.h"
 #include "sparse_attn/cuda/topk.h"
 #include "sparse_attn/static_switch.h"
 
@@ -524,6 +525,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_bwd_cuda(
   return run_bwd(c, Variant::kWindow, true, "gather_bwd");
 }
 
+// Context parallelism's LSE merge of a partial output into out / lse, in place (merge.h).
+void merge_partial_cuda(at::Tensor& out, at::Tensor& lse, const at::Tensor& part,
+                        const at::Tensor& part_lse) {
+  TORCH_CHECK(out.dim() == 4 && part.sizes() == out.sizes(),
+              "out and part must be (B, H, L, D) of one shape, got ", out.sizes(), " and ", part.sizes());
+  TORCH_CHECK(lse.dim() == 3 && lse.sizes() == out.sizes().slice(0, 3) && part_lse.sizes() == lse.sizes(),
+              "lse and part_lse must be (B, H, L) = ", out.sizes().slice(0, 3), ", got ", lse.sizes(),
+              " and ", part_lse.sizes());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && part_lse.scalar_type() == at::kFloat,
+              "lse and part_lse must be float32");
+  TORCH_CHECK(part.scalar_type() == out.scalar_type(), "part must have out's dtype ", out.scalar_type(),
+              ", got ", part.scalar_type());
+  TORCH_CHECK(out.size(3) == 0 || (out.stride(3) == 1 && part.stride(3) == 1),
+              "out and part must have unit stride along D");
+  check_cuda(out);
+  check_same_device(out, lse, "lse");
+  check_same_device(out, part, "part");
+  check_same_device(out, part_lse, "part_lse");
+  const c10::cuda::CUDAGuard guard(out.device());
+  MergeParams p{};
+  p.dtype = scalar_kind(out.scalar_type());
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.part = part.data_ptr();
+  p.part_lse = part_lse.data_ptr<float>();
+  p.b = out.size(0), p.h = out.size(1), p.l = out.size(2), p.d = out.size(3);
+  for (int i = 0; i < 3; ++i) {
+    p.out_stride[i] = out.stride(i);
+    p.lse_stride[i] = lse.stride(i);
+    p.part_stride[i] = part.stride(i);
+    p.part_lse_stride[i] = part_lse.stride(i);
+  }
+  check_launch(run_merge_partial(p, c10::cuda::getCurrentCUDAStream()), "merge_partial");
+}
+
 // Plans of CUDA inputs (sparse_attn.explain) learn their device from here.
 const bool kCudaPlansRegistered = [] {
   set_cuda_device_lookup([](const at::Tensor& like) {
@@ -545,6 +581,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
   m.impl("indexer_select", &indexer_select_cuda);
   m.impl("flash_fwd", &flash_fwd_cuda);
   m.impl("block_sparse_fwd", &block_sparse_fwd_cuda);
+  m.impl("_merge_partial_", &merge_partial_cuda);
 }
 
 }  // namespace sparse_attn

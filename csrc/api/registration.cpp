@@ -126,6 +126,10 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int row_offset, int entry_block=1) -> (Tensor kv_num_blocks, Tensor kv_indices, Tensor kv_partial, "
       "Tensor partial_masks)");
 
+  // Context parallelism's merge of a partial output (part, part_lse) into (out, lse) by their LSEs,
+  // in place, summed in fp32 and rounded once (CUDA; the CPU path composes torch ops).
+  m.def("_merge_partial_(Tensor(a!) out, Tensor(b!) lse, Tensor part, Tensor part_lse) -> ()");
+
   // attention_with_kvcache on CUDA (the CPU and other layouts take the Python composite path):
   // appends key/value into the caches in place, then attends over cache + new tokens.
   m.def(
