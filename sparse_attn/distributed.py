@@ -291,52 +291,63 @@ def _local_chunks(bounds_rank):
 
 
 # --------------------------------------------------------------------------------------------- ring
-class _Ring(torch.autograd.Function):
+class _DenseContextParallel(torch.autograd.Function):
+    """Dense or causal attention over the ranks' shards by ``schedule`` (_query_slices_forward or
+    _ring_forward); the backward is the ring's."""
+
     @staticmethod
-    def forward(ctx, q, k, v, bounds, scale, causal, group):
+    def forward(ctx, q, k, v, bounds, scale, causal, group, schedule):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        k, v = _pad_shard(k, bounds), _pad_shard(v, bounds)
-        b, h, lq_local, _ = q.shape
-        acc_o = torch.zeros(b, h, lq_local, v.shape[-1], dtype=torch.float32, device=q.device)
-        acc_lse = torch.full((b, h, lq_local), -math.inf, dtype=torch.float32, device=q.device)
-        q_chunks = _local_chunks(bounds[rank])
-        touched = set()  # query chunks with a partial result in the accumulators
-        cur, src, bufs = (k, v), rank, None
-        for step in range(world):
-            pending = _rotate(cur, group, rank, world) if step + 1 < world else None
-            for ko, ks, lk in _local_chunks(bounds[src]):
-                for qo, qs, lq in q_chunks:
-                    pair = _pair(qo, lq, ko, lk, causal)
-                    if pair is None:
-                        continue
-                    keep, right = pair
-                    rows, keys = slice(qs, qs + lq), slice(ks, ks + keep)
-                    o, lse = _ops.flash_fwd.default(
-                        q[:, :, rows], cur[0][:, :, keys], cur[1][:, :, keys], scale, False, -1, right
-                    )
-                    if qs in touched:
-                        _merge(acc_o[:, :, rows], acc_lse[:, :, rows], o, lse)
-                    else:  # the first partial of these rows: no merge
-                        acc_o[:, :, rows] = o
-                        acc_lse[:, :, rows] = lse
-                        touched.add(qs)
-            if pending is not None:
-                bufs, reqs = pending
-                for req in reqs:
-                    req.wait()
-                cur, src = tuple(bufs), (src - 1) % world
-        del cur, bufs, pending  # the last received K/V shard, before the output's copy is made
-        out = acc_o.to(q.dtype)
-        del acc_o
-        ctx.save_for_backward(q, k, v, out, acc_lse)
+        out, lse = schedule(q, k, v, bounds, scale, causal, group, rank, world)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.bounds, ctx.scale, ctx.causal, ctx.group = bounds, scale, causal, group
-        ctx.mark_non_differentiable(acc_lse)
-        return out, acc_lse
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors  # k, v padded to the longest shard
-        return (*_ring_backward(ctx, grad_out, q, k, v, out, lse), None, None, None, None)
+        q, k, v, out, lse = ctx.saved_tensors
+        k, v = _pad_shard(k, ctx.bounds), _pad_shard(v, ctx.bounds)
+        return (*_ring_backward(ctx, grad_out, q, k, v, out, lse), None, None, None, None, None)
+
+
+def _ring_forward(q, k, v, bounds, scale, causal, group, rank, world):
+    """The ring's forward: P steps, the K/V shards travelling while each rank attends its query chunks
+    to the shard at hand, the partials merged in an fp32 accumulator."""
+    k, v = _pad_shard(k, bounds), _pad_shard(v, bounds)
+    b, h, lq_local, _ = q.shape
+    acc_o = torch.zeros(b, h, lq_local, v.shape[-1], dtype=torch.float32, device=q.device)
+    acc_lse = torch.full((b, h, lq_local), -math.inf, dtype=torch.float32, device=q.device)
+    q_chunks = _local_chunks(bounds[rank])
+    touched = set()  # query chunks with a partial result in the accumulators
+    cur, src, bufs = (k, v), rank, None
+    for step in range(world):
+        pending = _rotate(cur, group, rank, world) if step + 1 < world else None
+        for ko, ks, lk in _local_chunks(bounds[src]):
+            for qo, qs, lq in q_chunks:
+                pair = _pair(qo, lq, ko, lk, causal)
+                if pair is None:
+                    continue
+                keep, right = pair
+                rows, keys = slice(qs, qs + lq), slice(ks, ks + keep)
+                o, lse = _ops.flash_fwd.default(
+                    q[:, :, rows], cur[0][:, :, keys], cur[1][:, :, keys], scale, False, -1, right
+                )
+                if qs in touched:
+                    _merge(acc_o[:, :, rows], acc_lse[:, :, rows], o, lse)
+                else:  # the first partial of these rows: no merge
+                    acc_o[:, :, rows] = o
+                    acc_lse[:, :, rows] = lse
+                    touched.add(qs)
+        if pending is not None:
+            bufs, reqs = pending
+            for req in reqs:
+                req.wait()
+            cur, src = tuple(bufs), (src - 1) % world
+    del cur, bufs, pending  # the last received K/V shard, before the output's copy is made
+    out = acc_o.to(q.dtype)
+    del acc_o
+    return out, acc_lse
 
 
 def _ring_backward(ctx, grad_out, q, k, v, out, lse):
@@ -452,25 +463,8 @@ def _shard_call(qo: int, lq: int, key_chunks, causal: bool):
     return None if keys == 0 else (keys, right)
 
 
-class _QuerySlices(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, bounds, scale, causal, group):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        out, lse = _query_slices_forward(q, k, v, bounds, scale, causal, group, rank, world)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bounds, ctx.scale, ctx.causal, ctx.group = bounds, scale, causal, group
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        k, v = _pad_shard(k, ctx.bounds), _pad_shard(v, ctx.bounds)
-        return (*_ring_backward(ctx, grad_out, q, k, v, out, lse), None, None, None, None)
-
-
 def _query_slices_forward(q, k, v, bounds, scale, causal, group, rank, world):
-    """_QuerySlices' forward. Round t: wait for the exchange posted in round t - 2 (it brought this
+    """The query slices' forward. Round t: wait for the exchange posted in round t - 2 (it brought this
     round's query slices and merges the partials it returned), post round t + 2's query slices with
     the partials of round t - 1, attend the slices received to this rank's K/V. Two rounds ahead, an
     exchange that NCCL can only start once a round's kernel leaves the SMs still lands before it is
@@ -663,9 +657,11 @@ def context_parallel_attention(
     )
     scale = _args.scale(scale)
     if plan.method == "queries":
-        out, lse = _QuerySlices.apply(query, key, value, bounds, scale, bool(causal), group)
+        out, lse = _DenseContextParallel.apply(
+            query, key, value, bounds, scale, bool(causal), group, _query_slices_forward
+        )
     elif plan.method == "ring":
-        out, lse = _Ring.apply(query, key, value, bounds, scale, bool(causal), group)
+        out, lse = _DenseContextParallel.apply(query, key, value, bounds, scale, bool(causal), group, _ring_forward)
     else:
         out, lse = _allgather_attention(query, key, value, bounds, rank, seq_len, scale, left, right, group)
     return (out, lse) if return_lse else out
