@@ -147,7 +147,7 @@ def measure(length: int, reps: int, mesh, world: int, bw: float) -> dict:
         fwd_bwd_cp_ms=fb_cp,
         fwd_bwd_speedup=fb_one / fb_cp,
         mem_ratio=mem_cp / mem_one,
-        method=cp.plan_context_parallel(True, heads=(H, H)).method,
+        method=cp.plan_context_parallel(True, heads=(H, H), world=world).method,
         ring_ms=ring,
         ring_mem_ratio=mem_ring / mem_one,
         link_gbs=bw,

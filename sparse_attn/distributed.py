@@ -13,12 +13,13 @@ Chunk sizes differ by at most one token when P (or 2P) does not divide L. :func:
 
 Three schedules (``method``), chosen by :func:`plan_context_parallel` unless given:
 
-- ``"queries"`` (two ranks, as many K/V heads as query heads): each rank attends its shard to its own K/V in
-  one call; then, slice by slice (~32 per shard), every rank sends its query slice to the ranks whose
-  keys it can see, attends the slices it receives to its own K/V and returns those partial outputs
-  with their LSEs (P2P, issued a round ahead of the compute); the owner merges a slice's partials
-  in fp32 and rounds once. The bytes of a K/V ring when H = Hkv, and per rank only its shards plus
-  about ten slices (no second K/V shard, no fp32 output). The backward is the ring's.
+- ``"queries"`` (the default on two ranks with as many K/V heads as query heads; any world size when
+  forced): each rank attends its shard to its own K/V in one call; then, slice by slice (~32 per
+  shard, of equal work), every rank sends its query slice to the ranks whose keys it can see,
+  attends the slices it receives to its own K/V and returns those partial outputs with their LSEs
+  (P2P, posted two rounds ahead of the compute); the owner merges a slice's partials in fp32 and
+  rounds once. The bytes of a K/V ring when H = Hkv, and per rank only its shards plus ~18 slices
+  (no second K/V shard, no fp32 output). The backward is the ring's.
 - ``"ring"``: P steps; the K/V shards travel around the ring (P2P send/recv, issued before each
   step's compute so they overlap it) and every rank attends its queries to the shard at hand,
   merging the partial outputs through their LSEs in fp32. Memory: two K/V shards per rank. The

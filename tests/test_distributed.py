@@ -435,7 +435,7 @@ def _mesh_cases(rank: int, world: int, errors) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused merge is a CUDA kernel")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("d", [36, 64, 128])  # 36: rows not 16-byte aligned (element by element)
+@pytest.mark.parametrize("d", [36, 64, 128])  # 36: 16-bit rows not 16-byte aligned (element by element)
 def test_merge_partial_kernel(dtype, d):
     """The fused LSE merge (context parallelism's query slices) on strided views: each row the fp32
     softmax-weighted sum rounded once, rows where both LSEs are -inf kept as they were, rows outside
