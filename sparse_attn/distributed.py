@@ -556,18 +556,14 @@ def _wire(x: torch.Tensor, order: list[int]) -> torch.Tensor:
 def _merge_slice(out, lse, parts) -> None:
     """out / lse (views of a slice of this rank's rows) merged in place with partials over other
     keys [(o, lse)]: the softmax-weighted sum in fp32, rounded once (one fused kernel on CUDA for a
-    single part; else torch ops, where every LSE is finite: a part is computed only where its keys
-    are visible, and a row sees its own key)."""
+    single part, else _merge_partials)."""
     if out.is_cuda and len(parts) == 1 and out.stride(-1) == parts[0][0].stride(-1) == 1:
         _ops._merge_partial_.default(out, lse, *parts[0])
         return
-    new = lse
-    for _, part_lse in parts:
-        new = torch.logaddexp(new, part_lse)
-    acc = torch.mul(out, torch.exp(lse - new).unsqueeze(-1))
-    for o, part_lse in parts:
-        acc.addcmul_(o, torch.exp(part_lse - new).unsqueeze(-1))
-    out.copy_(acc)
+    merged, new = _merge_partials(
+        torch.stack([out, *(o for o, _ in parts)]), torch.stack([lse, *(l for _, l in parts)]), 0
+    )
+    out.copy_(merged)
     lse.copy_(new)
 
 
