@@ -533,7 +533,7 @@ def _query_slices_forward(q, k, v, bounds, scale, causal, group, rank, world):
     post(-2, 0, -1, {})
     out, lse = _ops.flash_fwd.default(q, k, v, scale, causal, -1, -1)
     post(-1, 1, -1, {})
-    order = sorted(range(out.dim()), key=lambda i: -out.stride(i))
+    order = _memory_order(out)
     computed = {}
     for t in range(rounds + 1):
         settle(t - 2)
@@ -664,10 +664,15 @@ def context_parallel_attention(
     return (out, lse) if return_lse else out
 
 
+def _memory_order(x: torch.Tensor) -> list[int]:
+    """x's dimensions in the order they lie in memory, outermost first."""
+    return sorted(range(x.dim()), key=lambda d: -x.stride(d))
+
+
 def _empty_along(x: torch.Tensor, length: int) -> torch.Tensor:
     """An empty tensor of x's shape but ``length`` along dim 2, its dimensions in memory in x's
     order (so that copying x into it moves whole rows, whether x is head- or sequence-major)."""
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost first
+    order = _memory_order(x)
     shape = [*x.shape[:2], length, *x.shape[3:]]
     return x.new_empty([shape[d] for d in order]).permute([order.index(d) for d in range(x.dim())])
 
