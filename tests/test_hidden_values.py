@@ -7,11 +7,9 @@ cores would otherwise form 0 x NaN; on the GPU this covers the Hopper kernel (he
 
 The kernels find the rows whose output came out non-finite and compute those again over the keys
 they see (csrc/include/sparse_attn/cuda/hidden_values.cuh): the mma.sync kernel (head dim 256,
-64-blocks, every 16-bit case before Hopper) in its epilogue, the Hopper kernel at head dim 64 after
-a persistent CTA's last tile. These cases exercise that path, including rows that see nothing and
-many rows of a CTA's tiles (key-length padding). The Hopper kernel at head dim 128 still forms
-0 x NaN for a hidden key of a masked tile: its cases are strict xfails there, so that a fix shows.
-Every placement of the check in it cost 4-13 % on some shape (docs/PERF_LOG.md, "hidden values")."""
+64-blocks, every 16-bit case before Hopper) in its epilogue, the Hopper kernel (head dims 64 and
+128) after a persistent CTA's last tile. These cases exercise that path, including rows that see
+nothing and many rows of a CTA's tiles (key-length padding)."""
 
 from __future__ import annotations
 
@@ -23,15 +21,6 @@ import sparse_attn
 from sparse_attn import BlockSparseMask
 
 POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
-
-
-def _hopper_kernel_leaks(request, device, d, dtype=torch.bfloat16, block=128):
-    """Marks a case that runs on the Hopper kernel at head dim 128, which still lets hidden values through."""
-    hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
-    if hopper and dtype != torch.float32 and d == 128 and block == 128:
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="issue 32: the Hopper kernel's P V forms 0 x NaN at head dim 128")
-        )
 
 
 def _poison_keys(visible: torch.Tensor, seed: int, n: int = 3) -> torch.Tensor:
@@ -81,8 +70,7 @@ FLASH_CASES = [
 @pytest.mark.parametrize("poison", list(POISONS), ids=list(POISONS))
 @pytest.mark.parametrize("case", FLASH_CASES, ids=[c[0] for c in FLASH_CASES])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_flash_hidden_values_stay_hidden(case, d, poison, device, request):
-    _hopper_kernel_leaks(request, device, d)
+def test_flash_hidden_values_stay_hidden(case, d, poison, device):
     _, lq, lk, kw = case
     q, k, v = make_qkv(2, 4, 2, lq, lk, d, dtype=torch.bfloat16, device=device, seed=d + lq)
     visible = band_mask(lq, lk, kw.get("causal", False), kw.get("window"))[None, None]
@@ -95,8 +83,7 @@ def test_flash_hidden_values_stay_hidden(case, d, poison, device, request):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_flash_hidden_values_other_dtypes(dtype, device, request):
-    _hopper_kernel_leaks(request, device, 64, dtype)
+def test_flash_hidden_values_other_dtypes(dtype, device):
     q, k, v = make_qkv(1, 2, 1, 200, 200, 64, dtype=dtype, device=device, seed=5)
     visible = band_mask(200, 200, True)[None, None]
     _check(
@@ -138,8 +125,7 @@ def _partial_mask(b, h, lq, lk, bs, seed):
 
 @pytest.mark.parametrize("poison", ["nan", "inf"])
 @pytest.mark.parametrize("bs,d", [(128, 64), (128, 128), (64, 128), (64, 256)], ids=lambda x: str(x))
-def test_block_sparse_partial_blocks_hide_their_values(bs, d, poison, device, request):
-    _hopper_kernel_leaks(request, device, d, block=bs)
+def test_block_sparse_partial_blocks_hide_their_values(bs, d, poison, device):
     b, h, lq, lk = 2, 2, 300, 330
     dense = _partial_mask(b, h, lq, lk, bs, seed=bs + d)
     mask = BlockSparseMask.from_element_mask(dense, block_size=bs).to(device)
@@ -157,9 +143,8 @@ def test_block_sparse_partial_blocks_hide_their_values(bs, d, poison, device, re
 
 @pytest.mark.parametrize("kw", [{}, {"causal": True}], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_garbage_past_key_lengths_stays_hidden(kw, d, device, request):
+def test_garbage_past_key_lengths_stays_hidden(kw, d, device):
     """A right-padded batch whose padding holds garbage (NaN, as uninitialised memory may)."""
-    _hopper_kernel_leaks(request, device, d)
     lens = [300, 129, 64]
     q, k, v = make_qkv(3, 4, 4, 300, 300, d, dtype=torch.bfloat16, device=device, seed=d)
     lengths = torch.tensor(lens, device=device)
@@ -177,10 +162,9 @@ def test_garbage_past_key_lengths_stays_hidden(kw, d, device, request):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_one_visible_nan_column_stays_in_its_column(d, device, request):
+def test_one_visible_nan_column_stays_in_its_column(d, device):
     """A NaN in one column of a value that rows see: those rows are NaN in that column only and
     exact in the others (the kernels compute such rows again; the other columns must not change)."""
-    _hopper_kernel_leaks(request, device, d)
     q, k, v = make_qkv(1, 4, 2, 260, 260, d, dtype=torch.bfloat16, device=device, seed=d + 1)
     clean = sparse_attn.flash_attention(q, k, v, causal=True)
     v2 = v.clone()

@@ -22,9 +22,9 @@ template <ScalarKind kDtype, int kHeadDim, Variant kVariant>
 cudaError_t run_flash_fwd_sm90_(const AttnFwdParams& params, const FlashPlan& plan, cudaStream_t stream);
 
 // Whether the Hopper core at this (padded) head dim checks its output for hidden NaN / Inf values
-// and so needs params.hidden_records (hidden_values.cuh; not at 128: docs/PERF_LOG.md, "hidden
-// values").
-constexpr bool sm90_fwd_checks_hidden_values(int head_dim) { return head_dim == 64; }
+// and so needs params.hidden_records (hidden_values.cuh): at 64 and 128, the head dims it is built
+// for (docs/PERF_LOG.md, "hidden values").
+constexpr bool sm90_fwd_checks_hidden_values(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 // fp32 inputs (any head dim up to 256): exact fp32 arithmetic on the CUDA cores.
 template <Variant kVariant>

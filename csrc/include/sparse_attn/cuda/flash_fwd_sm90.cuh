@@ -115,7 +115,7 @@ __device__ __noinline__ void fix_noted_rows(const AttnFwdParams& p, const int4* 
   constexpr int kConsumerWarps = 4 * Tr::kConsumers;
   const int num_m = (p.lq + Tr::kBlockM - 1) / Tr::kBlockM;
   for (int rec = head; rec >= 0;) {
-    const int4 f = records[rec];  // written by lane 0 of this warp
+    const int4 f = records[rec];  // written by this warp
     const int tile = rec / kConsumerWarps, fbh = tile / num_m, m_block = tile % num_m;
     const int fb = fbh / p.h, fh = fbh % p.h, row16 = m_block * Tr::kBlockM + w * 16;
     auto* o = static_cast<typename ElementOf<Tr::kDtype>::type*>(p.o) + fb * p.o_batch_stride + fh * p.o_head_stride;
@@ -272,9 +272,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const bool lazy = Tr::kLazyRescale && args.lazy_rescale != 0;
   const float max_stale = lazy ? kMaxStale : 0.f;
   if (pingpong && wg == 1) named_barrier_arrive(5, 256);
-  // Hidden NaN / Inf values (hidden_values.cuh): checked at head dim 64 only. At 128 every
-  // placement tried slowed the window kernel by 4-13 % on some shape, this one even where its
-  // branch is never taken (docs/PERF_LOG.md, "hidden values").
+  // Hidden NaN / Inf values (hidden_values.cuh): the output is checked in the epilogue.
   constexpr bool kCheckHidden = sm90_fwd_checks_hidden_values(Tr::kHeadDim);
   if (kCheckHidden && lane == 0) fix_head[wg * 4 + warp] = -1;
   // Query tiles per (batch, head), for hidden_records' indices: evaluated in the rare branch, not
@@ -330,7 +328,29 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     if constexpr (kCheckHidden) {
       const uint32_t bad0 = __ballot_sync(0xffffffffu, probe_hit(probe[0]));
       const uint32_t bad1 = __ballot_sync(0xffffffffu, probe_hit(probe[1]));
-      if ((bad0 | bad1) != 0u && lane == 0) {
+      if constexpr (Tr::kHeadDim == 128) {
+        // Branch on the warp-uniform ballots alone; every lane writes the same record and head
+        // (the head read by all lanes before any writes it). A lane == 0 branch on a ballot here
+        // made ptxas treat the window kernel's consumer loop as possibly divergent: its tile
+        // bookkeeping left the uniform datapath and WARPSYNC / BRA.DIV / BSSY came into the loop
+        // (6-13 % slower). In the dense kernel the warp's index is derived here, behind an empty
+        // asm: wg * 4 + warp reordered its loop's softmax. Head dim 64 keeps the lane == 0 branch
+        // (measured free there; this form timed 4-6 % slower on its causal kernel, near the
+        // method's noise): docs/PERF_LOG.md, "hidden values at head dim 128".
+        if ((bad0 | bad1) != 0u) {
+          int w = wg * 4 + warp;
+          if constexpr (!Tr::kBlockSparse) {
+            int tx = threadIdx.x;
+            asm volatile("" : "+r"(tx));
+            w = tx / 32 - 4;  // = wg * 4 + warp
+          }
+          const int rec = (out_bh * num_m() + out_m0 / kBlockM) * kConsumerWarps + w;
+          const int prev = fix_head[w];
+          __syncwarp();
+          args.hidden_records[rec] = make_int4(prev, int(bad0), int(bad1), 0);
+          fix_head[w] = rec;
+        }
+      } else if ((bad0 | bad1) != 0u && lane == 0) {
         const int w = wg * 4 + warp, rec = (out_bh * num_m() + out_m0 / kBlockM) * kConsumerWarps + w;
         args.hidden_records[rec] = make_int4(fix_head[w], int(bad0), int(bad1), 0);
         fix_head[w] = rec;

@@ -10,9 +10,8 @@
 // adds nothing, a row that sees nothing is 0. The check costs one 16-bit FMA per two outputs; the
 // recomputation is slow (a right-padded batch with NaN in every padded key, so that every row of
 // the padded sequences is computed again: 7-36x the clean time on the H100). Used by the mma.sync
-// kernel (flash_fwd.cuh, in its epilogue) and by the Hopper kernel at head dim 64
-// (flash_fwd_sm90.cuh, after its last tile); at head dim 128 every placement tried cost the Hopper
-// kernel 4-13 % on some shape (docs/PERF_LOG.md, "hidden values").
+// kernel (flash_fwd.cuh, in its epilogue) and by the Hopper kernel at head dims 64 and 128
+// (flash_fwd_sm90.cuh, after its last tile; docs/PERF_LOG.md, "hidden values").
 #pragma once
 
 #include <cmath>
