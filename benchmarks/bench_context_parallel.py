@@ -8,7 +8,7 @@ same inputs (``--tables`` picks).
 
 Times: median of --reps calls, each the slowest rank's (CUDA events, barrier before each call).
 Memory: peak bytes allocated during a forward call on the largest rank (inputs included), against one
-GPU's.
+GPU's; "fb mem" the same for a forward and backward (the output's gradient among the inputs).
 The projection to more GPUs uses the measured per-step compute and the measured link bandwidth.
 
     torchrun --nproc_per_node 2 benchmarks/bench_context_parallel.py --lengths 131072 262144
@@ -125,15 +125,20 @@ def measure(length: int, reps: int, mesh, world: int, bw: float) -> dict:
     dout = torch.randn_like(q)
     qlg, klg, vlg = (t.clone().requires_grad_() for t in (ql, kl, vl))
     dl = cp.shard_sequence(dout)
-    fb_one = timed(
-        lambda: torch.autograd.grad(sparse_attn.flash_attention(qg, kg, vg, causal=True), (qg, kg, vg), dout), reps
-    )
-    fb_cp = timed(
-        lambda: torch.autograd.grad(
-            cp.context_parallel_attention(qlg, klg, vlg, causal=True, seq_len=length), (qlg, klg, vlg), dl
-        ),
-        reps,
-    )
+
+    def fb_one_fn():
+        return torch.autograd.grad(sparse_attn.flash_attention(qg, kg, vg, causal=True), (qg, kg, vg), dout)
+
+    def fb_cp_fn(method=None):
+        out = cp.context_parallel_attention(qlg, klg, vlg, causal=True, seq_len=length, method=method)
+        return torch.autograd.grad(out, (qlg, klg, vlg), dl)
+
+    fb_one, fb_cp, fb_ring = (timed(f, reps) for f in (fb_one_fn, fb_cp_fn, lambda: fb_cp_fn("ring")))
+    fb_mem_one = peak_bytes(fb_one_fn) + 4 * q.nbytes  # q, k, v and the output's gradient
+    fb_mems = [float(peak_bytes(f) + 4 * ql.nbytes) for f in (fb_cp_fn, lambda: fb_cp_fn("ring"))]
+    fb_mems = torch.tensor(fb_mems, device="cuda")
+    dist.all_reduce(fb_mems, op=dist.ReduceOp.MAX)
+    fb_mem_cp, fb_mem_ring = fb_mems.tolist()
     return dict(
         length=length,
         world=world,
@@ -146,6 +151,9 @@ def measure(length: int, reps: int, mesh, world: int, bw: float) -> dict:
         fwd_bwd_one_ms=fb_one,
         fwd_bwd_cp_ms=fb_cp,
         fwd_bwd_speedup=fb_one / fb_cp,
+        fwd_bwd_mem_ratio=fb_mem_cp / fb_mem_one,
+        ring_fwd_bwd_ms=fb_ring,
+        ring_fwd_bwd_mem_ratio=fb_mem_ring / fb_mem_one,
         mem_ratio=mem_cp / mem_one,
         method=cp.plan_context_parallel(True, heads=(H, H), world=world).method,
         ring_ms=ring,
@@ -261,7 +269,7 @@ def main(argv=None) -> int:
         print(
             f"{'L':>8} {'1 GPU ours':>10} {'1 GPU cuDNN':>11} {'CP ours':>8} {'torch CP':>8} "
             f"{'speedup':>7} {'vs torch':>8} {'fwd+bwd 1':>9} {'fwd+bwd CP':>10} {'mem':>5} "
-            f"{'ring ms':>8} {'ring mem':>8}"
+            f"{'ring ms':>8} {'ring mem':>8} {'fb mem':>6} {'ring fb ms':>10} {'ring fb mem':>11}"
         )
     for length in args.lengths if "flash" in args.tables else ():
         row = measure(length, args.reps, mesh, world, bw)
@@ -271,7 +279,8 @@ def main(argv=None) -> int:
                 f"{length:>8} {row['one_ms']:>10.2f} {row['one_cudnn_ms']:>11.2f} {row['cp_ms']:>8.2f} "
                 f"{row['torch_cp_ms']:>8.2f} {row['speedup']:>7.2f} {row['vs_torch_cp']:>8.2f} "
                 f"{row['fwd_bwd_one_ms']:>9.2f} {row['fwd_bwd_cp_ms']:>10.2f} {row['mem_ratio']:>5.2f} "
-                f"{row['ring_ms']:>8.2f} {row['ring_mem_ratio']:>8.2f}"
+                f"{row['ring_ms']:>8.2f} {row['ring_mem_ratio']:>8.2f} {row['fwd_bwd_mem_ratio']:>6.2f} "
+                f"{row['ring_fwd_bwd_ms']:>10.2f} {row['ring_fwd_bwd_mem_ratio']:>11.2f}"
             )
         torch.cuda.empty_cache()
     for length in args.lengths if "sparse" in args.tables else ():

@@ -19,7 +19,9 @@ Three schedules (``method``), chosen by :func:`plan_context_parallel` unless giv
   attends the slices it receives to its own K/V and returns those partial outputs with their LSEs
   (P2P, posted two rounds ahead of the compute); the owner merges a slice's partials in fp32 and
   rounds once. The bytes of a K/V ring when H = Hkv, and per rank only its shards plus ~18 slices
-  (no second K/V shard, no fp32 output). The backward is the ring's.
+  (no second K/V shard, no fp32 output). The backward runs the same exchange in 4 rounds: a
+  slice's queries, output gradient, output and LSE travel, its dQ comes back, and dK and dV stay
+  with their owner, accumulated in fp32 there.
 - ``"ring"``: P steps; the K/V shards travel around the ring (P2P send/recv, issued before each
   step's compute so they overlap it) and every rank attends its queries to the shard at hand,
   merging the partial outputs through their LSEs in fp32. Memory: two K/V shards per rank. The
@@ -219,7 +221,8 @@ def plan_context_parallel(
             layout,
             "dense or causal on two ranks, as many K/V heads as query heads: query slices travel to the other rank "
             "and partial outputs come back (the bytes of a K/V ring), merged in fp32 slice by slice, so a rank "
-            "holds its shards and a few slices, not a second K/V shard and an fp32 output" + balance,
+            "holds its shards and a few slices, not a second K/V shard and an fp32 output (the backward: the "
+            "same exchange, dQ coming back and dK/dV accumulated by their owner)" + balance,
         )
     why = f"{h} query heads over {hkv} K/V heads: K/V shards are the fewer bytes" if hkv < h else f"{world} ranks"
     return ContextParallelPlan(
@@ -293,23 +296,27 @@ def _local_chunks(bounds_rank):
 
 # --------------------------------------------------------------------------------------------- ring
 class _DenseContextParallel(torch.autograd.Function):
-    """Dense or causal attention over the ranks' shards by ``schedule`` (_query_slices_forward or
-    _ring_forward); the backward is the ring's."""
+    """Dense or causal attention over the ranks' shards by ``schedule``, "queries"
+    (_query_slices_forward / _query_slices_backward) or "ring" (_ring_forward / _ring_backward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, bounds, scale, causal, group, schedule):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        out, lse = schedule(q, k, v, bounds, scale, causal, group, rank, world)
+        forward = _query_slices_forward if schedule == "queries" else _ring_forward
+        out, lse = forward(q, k, v, bounds, scale, causal, group, rank, world)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.bounds, ctx.scale, ctx.causal, ctx.group = bounds, scale, causal, group
+        ctx.bounds, ctx.scale, ctx.causal, ctx.group, ctx.schedule = bounds, scale, causal, group, schedule
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        k, v = _pad_shard(k, ctx.bounds), _pad_shard(v, ctx.bounds)
-        return (*_ring_backward(ctx, grad_out, q, k, v, out, lse), None, None, None, None, None)
+        if ctx.schedule == "queries":
+            grads = _query_slices_backward(ctx, grad_out, q, k, v, out, lse)
+        else:
+            grads = _ring_backward(ctx, grad_out, q, _pad_shard(k, ctx.bounds), _pad_shard(v, ctx.bounds), out, lse)
+        return (*grads, None, None, None, None, None)
 
 
 def _ring_forward(q, k, v, bounds, scale, causal, group, rank, world):
@@ -410,11 +417,17 @@ def _ring_backward(ctx, grad_out, q, k, v, out, lse):
 # is allocated besides the output: per rank the shards plus a few slices.
 _QUERY_SLICES = 32  # slices per rank's shard: ~18 of them in flight (0.53 of one GPU's memory at two ranks)
 _MIN_SLICE = 1024  # tokens: shorter slices would leave the kernel's grid short of the SMs
+# The backward's slices: each slice's call writes dK and dV over every key it sees, added into fp32
+# accumulators (~3 K/V shards of bytes per round whatever the slice's length), so fewer, longer
+# slices. Two H100s, B1 H16 D128 causal, forward + backward against the ring's backward in one
+# process: 4 rounds 0.98 / 1.00 of its time (128k / 256k), 8 rounds 1.00 / 1.00, 16 rounds 1.06 /
+# 1.02; extra memory 0.72, 0.63, 0.59 of the ring's (docs/PERF_LOG.md).
+_BACKWARD_SLICES = 4
 
 
-def _slices(bounds, causal: bool) -> list[list[tuple[int, int, int]]]:
+def _slices(bounds, causal: bool, count: int = _QUERY_SLICES) -> list[list[tuple[int, int, int]]]:
     """Per rank, the query slices that travel (global offset, offset in the local shard, length):
-    the rows that see some other rank's keys, cut into about _QUERY_SLICES pieces of equal work
+    the rows that see some other rank's keys, cut into about ``count`` pieces of equal work
     (rows x keys seen on the other ranks; constant within a chunk, as another rank's chunks are
     wholly visible or not), so that in round t every rank computes the same amount for the others."""
     shards = [_local_chunks(chunks) for chunks in bounds]
@@ -424,9 +437,9 @@ def _slices(bounds, causal: bool) -> list[list[tuple[int, int, int]]]:
         return sum(c[0] for c in calls if c is not None)
 
     work = [[(off, start, n, n * remote_keys(r, off, n)) for off, start, n in shards[r]] for r in range(len(bounds))]
-    # The work of one slice: a rank's work over _QUERY_SLICES, or more where a chunk would be cut
-    # into slices shorter than _MIN_SLICE (every chunk's slices then longer, so the rounds stay even).
-    target = max(sum(w for *_, w in chunks) for chunks in work) / _QUERY_SLICES
+    # The work of one slice: a rank's work over ``count``, or more where a chunk would be cut into
+    # slices shorter than _MIN_SLICE (every chunk's slices then longer, so the rounds stay even).
+    target = max(sum(w for *_, w in chunks) for chunks in work) / count
     for chunks in work:
         target = max([target, 1] + [w / max(1, n // _MIN_SLICE) for _, _, n, w in chunks if w])
     out = []
@@ -464,86 +477,178 @@ def _shard_call(qo: int, lq: int, key_chunks, causal: bool):
     return None if keys == 0 else (keys, right)
 
 
-def _query_slices_forward(q, k, v, bounds, scale, causal, group, rank, world):
-    """The query slices' forward. Round t: wait for the exchange posted in round t - 2 (it brought this
-    round's query slices and merges the partials it returned), post round t + 2's query slices with
-    the partials of round t - 1, attend the slices received to this rank's K/V. Two rounds ahead, an
-    exchange that NCCL can only start once a round's kernel leaves the SMs still lands before it is
-    needed."""
+def _slice_rounds(bounds, causal, group, rank, world, count, *, send, receive, attend, returned, absorb, own):
+    """The query slices' exchange, for the forward and the backward alike: round t, every rank sends
+    its query slice t (``send(start, n)``: tensors (B, ·, n, ·) of its rows [start, start + n)) to the
+    ranks whose keys it sees, receives the slices of the ranks that see its keys (``receive(n)``:
+    empty tensors laid out as send's), computes on each (``attend(tensors, keys, right)``: its keys
+    [0, keys) and window bound, returning the tensors that go back), and gets its own slice's
+    results back (``returned(n)``: empty tensors laid out as attend's), which ``absorb(start, n,
+    [results of each rank])`` folds in. ``own()``, this rank's shard against its own K/V, runs
+    under round 0's exchange with round 1's posted behind it. Round t waits for the exchange posted
+    in round t - 2 and posts round t + 2's slices with the results of round t - 1: an exchange that
+    NCCL can only start once a round's kernel leaves the SMs still lands before it is needed."""
 
     def peer(r):
         return r if group is None else dist.get_global_rank(group, r)
 
-    slices = _slices(bounds, causal)
+    slices = _slices(bounds, causal, count)
     rounds = max(len(mine) for mine in slices)
     shards = [_local_chunks(chunks) for chunks in bounds]
     others = [p for p in range(world) if p != rank]
-    b, h, _, d = q.shape
 
     def call(p, t, keys_of):  # slice t of rank p against rank keys_of's shard (None: no such slice or no key)
         if not 0 <= t < len(slices[p]):
             return None
         return _shard_call(slices[p][t][0], slices[p][t][2], shards[keys_of], causal)
 
-    def queries(t):  # round t's query slices: (ops, {peer: received slice})
-        ops, got, mine = [], {}, None
+    def ops(op, tensors, p):  # each tensor sent or received in its memory order (a view where it is dense)
+        return [dist.P2POp(op, _wire(x, _memory_order(x)), peer(p), group) for x in tensors]
+
+    def queries(t):  # round t's query slices: (ops, {peer: received tensors})
+        posted, got, mine = [], {}, None
         for p in others:
             if call(rank, t, p) is not None:
-                if mine is None:
-                    qs, lq = slices[rank][t][1:]
-                    mine = q[:, :, qs : qs + lq].contiguous()
-                ops.append(dist.P2POp(dist.isend, mine, peer(p), group))
+                mine = mine or send(*slices[rank][t][1:])
+                posted += ops(dist.isend, mine, p)
             if call(p, t, rank) is not None:
-                got[p] = q.new_empty(b, h, slices[p][t][2], d)
-                ops.append(dist.P2POp(dist.irecv, got[p], peer(p), group))
-        return ops, got
+                got[p] = receive(slices[p][t][2])
+                posted += ops(dist.irecv, got[p], p)
+        return posted, got
 
-    def partials(t, computed):  # round t's partials back to their owners: (ops, {peer: (o, lse)})
-        ops, got = [], {}
+    def results(t, computed):  # round t's results back to their owners: (ops, {peer: received results})
+        posted, got = [], {}
         for p in others:
             if p in computed:
-                o, o_lse = computed[p]
-                ops += [dist.P2POp(dist.isend, x, peer(p), group) for x in (_wire(o, order), o_lse.contiguous())]
+                posted += ops(dist.isend, computed[p], p)
             if call(rank, t, p) is not None:
-                o = _empty_along(out, slices[rank][t][2])  # in the memory order of the kernel's outputs
-                got[p] = (o, out.new_empty(o.shape[:3], dtype=torch.float32))
-                ops += [dist.P2POp(dist.irecv, x, peer(p), group) for x in (_wire(o, order), got[p][1])]
-        return ops, got
+                got[p] = returned(slices[rank][t][2])
+                posted += ops(dist.irecv, got[p], p)
+        return posted, got
 
     pending, received = [], {}  # exchanges posted and not yet waited for; query slices by round
 
-    def post(t, q_round, o_round, computed):
+    def post(t, q_round, r_round, computed):
         ops_q, received[q_round] = queries(q_round)
-        ops_o, parts = partials(o_round, computed)
-        reqs = dist.batch_isend_irecv(ops_q + ops_o) if ops_q or ops_o else []
-        pending.append((t, reqs, o_round, parts))
+        ops_r, parts = results(r_round, computed)
+        reqs = dist.batch_isend_irecv(ops_q + ops_r) if ops_q or ops_r else []
+        pending.append((t, reqs, r_round, parts))
 
-    def settle(upto):  # wait for the exchanges posted up to round ``upto``; merge the partials they returned
+    def settle(upto):  # wait for the exchanges posted up to round ``upto``; absorb the results they returned
         while pending and pending[0][0] <= upto:
-            _, reqs, o_round, parts = pending.pop(0)
+            _, reqs, r_round, parts = pending.pop(0)
             for req in reqs:
                 req.wait()
             if parts:
-                qs, lq = slices[rank][o_round][1:]
-                _merge_slice(out[:, :, qs : qs + lq], lse[:, :, qs : qs + lq], list(parts.values()))
+                absorb(*slices[rank][r_round][1:], list(parts.values()))
 
-    # This rank's queries against its own K/V: one call (Lq = Lk, so the causal diagonal of the
-    # shard's own chunks is the kernel's; a zigzag shard's second chunk sees its first whole), under
-    # round 0's query slices; round 1's are posted while it runs.
     post(-2, 0, -1, {})
-    out, lse = _ops.flash_fwd.default(q, k, v, scale, causal, -1, -1)
+    own()
     post(-1, 1, -1, {})
-    order = _memory_order(out)
     computed = {}
     for t in range(rounds + 1):
         settle(t - 2)
         post(t, t + 2, t - 1, computed)
-        computed = {}
-        for p, qp in received.pop(t, {}).items():
-            keys, right = call(p, t, rank)
-            computed[p] = _ops.flash_fwd.default(qp, k[:, :, :keys], v[:, :, :keys], scale, False, -1, right)
+        computed = {p: attend(tensors, *call(p, t, rank)) for p, tensors in received.pop(t, {}).items()}
     settle(rounds)
-    return out, lse
+
+
+def _query_slices_forward(q, k, v, bounds, scale, causal, group, rank, world):
+    """The query slices' forward (_slice_rounds): a slice's queries travel, its partial output and
+    LSE come back and are merged into this rank's output in fp32, rounded once. The first call,
+    this rank's queries against its own K/V, has Lq = Lk, so the causal diagonal of the shard's own
+    chunks is the kernel's (a zigzag shard's second chunk sees its first whole)."""
+    res = {}
+    b, h, _, d = q.shape
+
+    def own():
+        res["out"], res["lse"] = _ops.flash_fwd.default(q, k, v, scale, causal, -1, -1)
+
+    def absorb(start, n, parts):
+        rows = slice(start, start + n)
+        _merge_slice(res["out"][:, :, rows], res["lse"][:, :, rows], parts)
+
+    _slice_rounds(
+        bounds,
+        causal,
+        group,
+        rank,
+        world,
+        _QUERY_SLICES,
+        send=lambda start, n: [q[:, :, start : start + n].contiguous()],
+        receive=lambda n: [q.new_empty(b, h, n, d)],
+        attend=lambda t, keys, right: _ops.flash_fwd.default(
+            t[0], k[:, :, :keys], v[:, :, :keys], scale, False, -1, right
+        ),
+        returned=lambda n: (_empty_along(res["out"], n), res["lse"].new_empty(b, h, n)),
+        absorb=absorb,
+        own=own,
+    )
+    return res["out"], res["lse"]
+
+
+def _query_slices_backward(ctx, grad_out, q, k, v, out, lse):
+    """The query slices' backward (_slice_rounds, _BACKWARD_SLICES rounds): a slice's queries,
+    output gradient, output and LSE travel to the ranks whose keys it sees; each computes the
+    slice's gradient against its own K/V, adds dK and dV into its own fp32 accumulators (so the K/V
+    gradients never travel) and returns dQ, which the owner adds to its own part in fp32, rounded
+    once. Per rank: its shards, fp32 dK and dV, and a few slices."""
+    group, bounds, scale, causal = ctx.group, ctx.bounds, ctx.scale, ctx.causal
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    b, h, _, d = q.shape
+    dvo = v.shape[-1]
+    grad_out = grad_out.contiguous()
+    res = {}
+
+    def own():
+        res["dq"], dk, dv = _ops.flash_bwd.default(grad_out, q, k, v, out, lse, None, scale, causal, -1, -1)
+        res["dk"] = dk.float()
+        del dk  # one 16-bit gradient less at the peak
+        res["dv"] = dv.float()
+
+    def send(start, n):
+        rows = slice(start, start + n)
+        return [x[:, :, rows].contiguous() for x in (q, grad_out, out, lse)]
+
+    def receive(n):
+        return [
+            q.new_empty(b, h, n, d),
+            grad_out.new_empty(b, h, n, dvo),
+            out.new_empty(b, h, n, dvo),
+            lse.new_empty(b, h, n),
+        ]
+
+    def attend(t, keys, right):
+        qp, gp, op, lp = t
+        gq, gk, gv = _ops.flash_bwd.default(
+            gp, qp, k[:, :, :keys], v[:, :, :keys], op, lp, None, scale, False, -1, right
+        )
+        res["dk"][:, :, :keys] += gk
+        res["dv"][:, :, :keys] += gv
+        return [gq.contiguous()]
+
+    def absorb(start, n, parts):
+        mine = res["dq"][:, :, start : start + n]
+        total = mine.float()
+        for (gq,) in parts:
+            total += gq
+        mine.copy_(total)
+
+    _slice_rounds(
+        bounds,
+        causal,
+        group,
+        rank,
+        world,
+        _BACKWARD_SLICES,
+        send=send,
+        receive=receive,
+        attend=attend,
+        returned=lambda n: [q.new_empty(b, h, n, d)],
+        absorb=absorb,
+        own=own,
+    )
+    return res["dq"], res["dk"].to(k.dtype), res["dv"].to(v.dtype)
 
 
 def _wire(x: torch.Tensor, order: list[int]) -> torch.Tensor:
@@ -653,12 +758,8 @@ def context_parallel_attention(
         causal, window, layout=layout, method=method, heads=(query.shape[1], key.shape[1]), world=world
     )
     scale = _args.scale(scale)
-    if plan.method == "queries":
-        out, lse = _DenseContextParallel.apply(
-            query, key, value, bounds, scale, bool(causal), group, _query_slices_forward
-        )
-    elif plan.method == "ring":
-        out, lse = _DenseContextParallel.apply(query, key, value, bounds, scale, bool(causal), group, _ring_forward)
+    if plan.method in ("queries", "ring"):
+        out, lse = _DenseContextParallel.apply(query, key, value, bounds, scale, bool(causal), group, plan.method)
     else:
         out, lse = _allgather_attention(query, key, value, bounds, rank, seq_len, scale, left, right, group)
     return (out, lse) if return_lse else out
