@@ -457,6 +457,12 @@ def _explain_kvcache(a, tgt) -> Plan:
     return Plan("attention_with_kvcache", "decode_split_kv" if splits > 1 else "decode", why, launches)
 
 
+# sparse_attn.distributed's ops (explained there: the schedule on this rank of the process group).
+_CONTEXT_PARALLEL = (
+    "context_parallel_attention",
+    "context_parallel_block_sparse_attention",
+    "context_parallel_topk_attention",
+)
 _EXPLAIN = {
     "dense_attention": _explain_dense,
     "flash_attention": _explain_flash,
@@ -478,7 +484,9 @@ def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
     Parameters
     ----------
     op : callable or str
-        One of the ops (``sparse_attn.flash_attention`` or ``"flash_attention"``, ...).
+        One of the ops (``sparse_attn.flash_attention`` or ``"flash_attention"``, ...), or a
+        context-parallel op of ``sparse_attn.distributed``: the schedule this rank of its process
+        group takes (``route`` ``context_parallel_<schedule>``), why, and this rank's launches.
     *args, **kwargs
         The op's arguments, exactly as the call would pass them.
     target : {"sm80", "sm90"}, optional
@@ -505,8 +513,16 @@ def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
     from . import ops
 
     name = op if isinstance(op, str) else getattr(op, "__name__", None)
+    if name in _CONTEXT_PARALLEL:
+        from . import distributed
+
+        bound = inspect.signature(getattr(distributed, name)).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return distributed._explain(name, bound.arguments, _target(target))
     if name not in _EXPLAIN:
-        raise ValueError(f"op must be one of {sorted(_EXPLAIN)} (or the function), got {op!r}")
+        raise ValueError(
+            f"op must be one of {sorted(_EXPLAIN) + list(_CONTEXT_PARALLEL)} (or the function), got {op!r}"
+        )
     bound = inspect.signature(getattr(ops, name)).bind(*args, **kwargs)
     bound.apply_defaults()
     tgt = _target(target)

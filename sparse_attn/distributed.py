@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -1420,6 +1420,150 @@ def plan_context_parallel_block_sparse(
         guests_in,
         why,
     )
+
+
+# ---------------------------------------------------------------------------------------- explain
+def _assumed_seq_len(local: int, world: int, rank: int, layout: str) -> int:
+    """A sequence length whose ``layout`` gives ``rank`` a shard of ``local`` tokens (explain takes
+    no collective, so it cannot sum the shards as the op does when ``seq_len`` is not given)."""
+    for n in range(max(0, (local - 1) * world), (local + 1) * world + 1):
+        if sum(c for _, c in chunk_bounds(n, world, layout)[rank]) == local:
+            return n
+    return local * world
+
+
+def _explain(name: str, a, tgt):
+    """sparse_attn.explain for the context-parallel ops: this rank's schedule, why, and its launches
+    (a group of similar calls as one launch with a count, planned on the first of them). Reads the
+    process group's rank and size; no collective, no kernel."""
+    from ._plan import Launch, Plan, _backward, _flash_launch, _launch
+
+    q, k, v = a["query"], a["key"], a["value"]
+    rank, world = _group_info(a["group"])
+    _args.check_inputs(q, k, v)
+    if name == "context_parallel_topk_attention":
+        why = (
+            "selection against every key of the sequence (the indexer's keys gathered, a few bytes per token; the "
+            "exact mode gathers K), then the K/V rows the selections name fetched from their owners by an "
+            "all-to-all, or K/V gathered whole where some rank needs more than half of the other ranks' rows "
+            "(decided at run time from the selection, one all-reduce of the counts)"
+        )
+        return Plan(name, "context_parallel_topk", why, ())
+    if name == "context_parallel_block_sparse_attention":
+        from .masks import BlockSparseMask
+
+        if not isinstance(a["mask"], BlockSparseMask):
+            raise TypeError(f"mask must be a BlockSparseMask of the whole sequence, got {type(a['mask']).__name__}")
+        plan = plan_context_parallel_block_sparse(a["mask"], world, rank, layout=a["layout"], method=a["method"])
+        blocks = a["mask"].block_size
+        launches = [
+            _launch("block_sparse_fwd", _ops._plan_block_sparse.default(q, k, v, *blocks, *tgt), 1, "this rank's rows")
+        ]
+        if plan.edge_blocks:
+            launches.append(
+                replace(launches[0], role=f"{plan.edge_blocks} edge query blocks against the received key blocks")
+            )
+        if plan.guest_blocks_in:
+            launches.append(replace(launches[0], role=f"{plan.guest_blocks_in} other ranks' guest query blocks"))
+        backward = (
+            "block_sparse_bwd of each call given the merged output and LSE; the received blocks' K/V gradients "
+            "back to their owners"
+        )
+        return Plan(name, f"context_parallel_{plan.method}", plan.why, tuple(launches), backward)
+    layout, causal = a["layout"], bool(a["causal"])
+    seq_len = a["seq_len"]
+    assumed = "" if seq_len is not None else " (seq_len not given: assumed from this shard's length)"
+    if seq_len is None:
+        seq_len = _assumed_seq_len(q.shape[2], world, rank, layout)
+    bounds = chunk_bounds(seq_len, world, layout)
+    left, right = _args.window_bounds(a["window"])
+    plan = plan_context_parallel(
+        causal, a["window"], layout=layout, method=a["method"], heads=(q.shape[1], k.shape[1]), world=world
+    )
+    why = plan.why + assumed
+    if plan.method == "allgather":
+        right = 0 if causal else right
+        launches = []
+        for qo, qs, lq in _local_chunks(bounds[rank]):
+            end = seq_len if right < 0 else min(seq_len, qo + lq + right)
+            w_right = -1 if right < 0 else qo + right - end + lq
+            w_left = -1 if left < 0 else end - lq - qo + left
+            k_all, v_all = (
+                x[:, :, :1].expand(*x.shape[:2], end, x.shape[3]) for x in (k, v)
+            )  # the gathered prefix's shape
+            launches.append(
+                _flash_launch(
+                    q[:, :, qs : qs + lq], k_all, v_all, False, w_left, w_right, tgt, role=f"query chunk at {qo}"
+                )
+            )
+        backward = _backward("flash_bwd", q, v, tgt) + "; K/V gradients reduced to their owners"
+        return Plan(name, "context_parallel_allgather", why, tuple(launches), backward)
+    shards = [_local_chunks(chunks) for chunks in bounds]
+    if plan.method == "ring":
+        pairs = [
+            (qs, lq, ks, pair)
+            for src in range(world)
+            for ko, ks, lk in shards[src]
+            for qo, qs, lq in shards[rank]
+            if (pair := _pair(qo, lq, ko, lk, causal)) is not None
+        ]
+        qs, lq, ks, (keep, r) = pairs[0]
+        launch = _flash_launch(
+            q[:, :, qs : qs + lq],
+            k[:, :, ks : ks + keep],
+            v[:, :, ks : ks + keep],
+            False,
+            -1,
+            r,
+            tgt,
+            len(pairs),
+            "pairs of chunks, over the ring's steps",
+        )
+        backward = "the ring: flash_bwd per pair of chunks, K/V and their fp32 gradients travelling"
+        return Plan(name, "context_parallel_ring", why, (launch,), backward)
+    own = _flash_launch(q, k, v, causal, -1, -1, tgt, role="this rank's shard against its own K/V")
+    slices = _slices(bounds, causal)
+    guests = [
+        (sl[2], call)
+        for p in range(world)
+        if p != rank
+        for sl in slices[p]
+        if (call := _shard_call(sl[0], sl[2], shards[rank], causal)) is not None
+    ]
+    launches = [own]
+    if guests:
+        n, (keys, r) = guests[0]
+        launches.append(
+            _flash_launch(
+                q[:, :, :n],
+                k[:, :, :keys],
+                v[:, :, :keys],
+                False,
+                -1,
+                r,
+                tgt,
+                len(guests),
+                "other ranks' query slices against this K/V",
+            )
+        )
+    merges = len(slices[rank])
+    if merges:
+        core = "cuda_cores" if q.is_cuda or tgt[0] > 0 else "cpu"
+        launches.append(
+            Launch(
+                "merge_partial",
+                core,
+                why=("a slice's partials merged by their LSEs in fp32, rounded once",),
+                count=merges,
+                role="this rank's slices",
+            )
+        )
+    backward = (
+        _backward("flash_bwd", q, v, tgt)
+        + f"; the query slices' exchange in {_BACKWARD_SLICES} rounds, dK/dV accumulated in fp32 by their owner, "
+        "dQ returned"
+    )
+    return Plan(name, "context_parallel_queries", why, tuple(launches), backward)
 
 
 # -------------------------------------------------------------------------------------------- top-k

@@ -11,6 +11,7 @@ import math
 import os
 import socket
 import traceback
+import types
 
 import pytest
 import torch
@@ -58,6 +59,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _CountingOps:
+    """torch.ops.sparse_attn with its flash_fwd calls counted (what explain's launches add up to)."""
+
+    def __init__(self, ops):
+        self._ops, self.flash_fwd_calls = ops, 0
+
+    def __getattr__(self, name):
+        if name == "flash_fwd":
+            return types.SimpleNamespace(default=self._flash_fwd)
+        return getattr(self._ops, name)
+
+    def _flash_fwd(self, *args):
+        self.flash_fwd_calls += 1
+        return self._ops.flash_fwd.default(*args)
+
+
 def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     # A short timeout: a rank that failed waits at the final barrier instead of hanging the others.
@@ -75,6 +92,7 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
         return ring_backward(*args)
 
     cp._ring_backward = counted
+    cp._ops = counting = _CountingOps(cp._ops)
     try:
         for case in CASES:
             length, h, hkv, causal, window, layout, method = case
@@ -87,13 +105,30 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
             ref, ref_lse = sparse_attn.flash_attention(*full, causal=causal, window=window, return_lse=True)
             ref_grads = torch.autograd.grad(ref, full, dout)
             local = [cp.shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+            fwd_before = counting.flash_fwd_calls
             out, lse = cp.context_parallel_attention(
                 *local, causal=causal, window=window, layout=layout, method=method, return_lse=True
             )
+            # explain names this rank's schedule and as many forward calls as ran
+            said = sparse_attn.explain(
+                cp.context_parallel_attention,
+                *local,
+                causal=causal,
+                window=window,
+                layout=layout,
+                method=method,
+                seq_len=length,
+            )
+            launched = sum(launch.count for launch in said.launches if launch.kernel == "flash_fwd")
+            ran = counting.flash_fwd_calls - fwd_before
+            if launched != ran:
+                errors.put(f"rank {rank} {case}: explain says {launched} flash calls, {ran} ran")
             before = len(ring_calls)
             grads = torch.autograd.grad(out, local, cp.shard_sequence(dout, layout=layout))
             _compare_shards(errors, f"rank {rank} {case}", (out, *grads, lse), (ref, *ref_grads, ref_lse), layout, tol)
             plan = cp.plan_context_parallel(causal, window, layout=layout, method=method, heads=(h, hkv), world=world)
+            if said.route != f"context_parallel_{plan.method}":
+                errors.put(f"rank {rank} {case}: explain says {said.route}, the plan {plan.method}")
             if (len(ring_calls) > before) != (plan.method == "ring"):  # the query slices have their own backward
                 took = "the ring's" if len(ring_calls) > before else "not the ring's"
                 errors.put(f"rank {rank} {case}: the {plan.method} schedule's backward was {took}")
@@ -154,6 +189,15 @@ def _block_sparse_case(rank, world, errors, device="cpu", dtype=torch.float32, t
                 mask.__dict__.pop("_cp_exchange", None)
             local = [cp.shard_sequence(t).requires_grad_() for t in (q, k, v)]
             out, lse = cp.context_parallel_block_sparse_attention(*local, mask, method=method, return_lse=True)
+            said = sparse_attn.explain(cp.context_parallel_block_sparse_attention, *local, mask, method=method)
+            told = cp.plan_context_parallel_block_sparse(mask, world, rank, method=method)
+            edge_launch = any("edge" in launch.role for launch in said.launches)
+            if (said.route, said.why, edge_launch) != (
+                f"context_parallel_{told.method}",
+                told.why,
+                told.edge_blocks > 0,
+            ):
+                errors.put(f"rank {rank} block-sparse {name} {method}: explain says {said.route}: {said.why}")
             if method == "alltoall":
                 edge = cp._sparse_exchange(mask, cp.chunk_bounds(length, world), rank, method, q.device).edge
                 if (edge is None) != (edge_share == 0.0) and edge_share != 0.25:
