@@ -477,7 +477,7 @@ def _shard_call(qo: int, lq: int, key_chunks, causal: bool):
     return None if keys == 0 else (keys, right)
 
 
-def _slice_rounds(bounds, causal, group, rank, world, count, *, send, receive, attend, returned, absorb, own):
+def _slice_rounds(bounds, causal, group, count, *, send, receive, attend, returned, absorb, own):
     """The query slices' exchange, for the forward and the backward alike: round t, every rank sends
     its query slice t (``send(start, n)``: tensors (B, ·, n, ·) of its rows [start, start + n)) to the
     ranks whose keys it sees, receives the slices of the ranks that see its keys (``receive(n)``:
@@ -492,6 +492,7 @@ def _slice_rounds(bounds, causal, group, rank, world, count, *, send, receive, a
     def peer(r):
         return r if group is None else dist.get_global_rank(group, r)
 
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     slices = _slices(bounds, causal, count)
     rounds = max(len(mine) for mine in slices)
     shards = [_local_chunks(chunks) for chunks in bounds]
@@ -572,8 +573,6 @@ def _query_slices_forward(q, k, v, bounds, scale, causal, group, rank, world):
         bounds,
         causal,
         group,
-        rank,
-        world,
         _QUERY_SLICES,
         send=lambda start, n: [q[:, :, start : start + n].contiguous()],
         receive=lambda n: [q.new_empty(b, h, n, d)],
@@ -594,7 +593,6 @@ def _query_slices_backward(ctx, grad_out, q, k, v, out, lse):
     gradients never travel) and returns dQ, which the owner adds to its own part in fp32, rounded
     once. Per rank: its shards, fp32 dK and dV, and a few slices."""
     group, bounds, scale, causal = ctx.group, ctx.bounds, ctx.scale, ctx.causal
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     b, h, _, d = q.shape
     dvo = v.shape[-1]
     grad_out = grad_out.contiguous()
@@ -638,8 +636,6 @@ def _query_slices_backward(ctx, grad_out, q, k, v, out, lse):
         bounds,
         causal,
         group,
-        rank,
-        world,
         _BACKWARD_SLICES,
         send=send,
         receive=receive,
