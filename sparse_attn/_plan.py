@@ -516,9 +516,7 @@ def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
     if name in _CONTEXT_PARALLEL:
         from . import distributed
 
-        bound = inspect.signature(getattr(distributed, name)).bind(*args, **kwargs)
-        bound.apply_defaults()
-        return distributed._explain(name, bound.arguments, _target(target))
+        return distributed._explain(name, args, kwargs, _target(target))
     if name not in _EXPLAIN:
         raise ValueError(
             f"op must be one of {sorted(_EXPLAIN) + list(_CONTEXT_PARALLEL)} (or the function), got {op!r}"

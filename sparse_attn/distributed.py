@@ -44,6 +44,7 @@ sequence and return DTensors.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -101,45 +102,57 @@ def _process_group(group):
     return group.get_group()
 
 
+def _local_call(query, key, value, kwargs: dict):
+    """A call's arguments as the shards see them: a DeviceMesh ``group`` as its ProcessGroup; DTensors
+    sharded along the sequence (``Shard(2)`` on a one-dimensional mesh, ``Shard(1)`` for the
+    indexer's (B, L, ...) tensors) as their local shards, with the mesh's group and the contiguous
+    layout (DTensor's). Returns (query, key, value, kwargs, mesh): mesh None for plain tensors."""
+    kwargs = dict(kwargs)
+    if "group" in kwargs:
+        kwargs["group"] = _process_group(kwargs["group"])
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:  # a torch without DTensor
+        return query, key, value, kwargs, None
+    if not isinstance(query, DTensor):
+        return query, key, value, kwargs, None
+    mesh = query.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(f"query: a DTensor on a one-dimensional mesh, got a mesh of {mesh.ndim} dimensions")
+    if kwargs.get("layout", "contiguous") != "contiguous":
+        raise ValueError("DTensors are sharded in contiguous chunks: layout must be 'contiguous' for them")
+    world = mesh.size()
+
+    def local(name, t, dim):
+        if not isinstance(t, DTensor) or t.device_mesh != mesh or tuple(t.placements) != (Shard(dim),):
+            raise ValueError(f"{name} must be a DTensor on query's mesh with placements (Shard({dim}),)")
+        if t.shape[dim] % world:
+            raise ValueError(
+                f"{name}: a sequence of {t.shape[dim]} tokens over {world} ranks: DTensor's uneven shards differ "
+                "from this module's layouts; use a length divisible by the mesh size"
+            )
+        return t.to_local()
+
+    q, k, v = (local(n, t, 2) for n, t in (("query", query), ("key", key), ("value", value)))
+    for name in ("index_query", "index_key", "index_weights"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = local(name, kwargs[name], 1)
+    kwargs.update(group=mesh.get_group(), layout="contiguous")
+    return q, k, v, kwargs, mesh
+
+
 def _with_dtensors(fn):
-    """Lets ``fn(query, key, value, ...)`` take DTensors sharded along the sequence (``Shard(2)``
-    on a one-dimensional mesh, ``Shard(1)`` for the indexer's (B, L, ...) tensors): their local
-    shards run with the mesh's group and the contiguous layout (DTensor's), and every returned
-    tensor comes back as a DTensor sharded along dim 2. A ``group`` argument may be a DeviceMesh."""
+    """Lets ``fn(query, key, value, ...)`` take DTensors sharded along the sequence and a DeviceMesh
+    ``group`` (_local_call); every tensor it returns for DTensors comes back as a DTensor sharded
+    along dim 2."""
 
     @functools.wraps(fn)
     def wrapper(query, key, value, *args, **kwargs):
-        if "group" in kwargs:
-            kwargs["group"] = _process_group(kwargs["group"])
-        try:
-            from torch.distributed.tensor import DTensor, Shard
-        except ImportError:  # a torch without DTensor
-            return fn(query, key, value, *args, **kwargs)
-        if not isinstance(query, DTensor):
-            return fn(query, key, value, *args, **kwargs)
-        mesh = query.device_mesh
-        if mesh.ndim != 1:
-            raise ValueError(f"query: a DTensor on a one-dimensional mesh, got a mesh of {mesh.ndim} dimensions")
-        if kwargs.get("layout", "contiguous") != "contiguous":
-            raise ValueError("DTensors are sharded in contiguous chunks: layout must be 'contiguous' for them")
-        world = mesh.size()
-
-        def local(name, t, dim):
-            if not isinstance(t, DTensor) or t.device_mesh != mesh or tuple(t.placements) != (Shard(dim),):
-                raise ValueError(f"{name} must be a DTensor on query's mesh with placements (Shard({dim}),)")
-            if t.shape[dim] % world:
-                raise ValueError(
-                    f"{name}: a sequence of {t.shape[dim]} tokens over {world} ranks: DTensor's uneven shards differ "
-                    "from this module's layouts; use a length divisible by the mesh size"
-                )
-            return t.to_local()
-
-        q, k, v = (local(n, t, 2) for n, t in (("query", query), ("key", key), ("value", value)))
-        for name in ("index_query", "index_key", "index_weights"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = local(name, kwargs[name], 1)
-        kwargs.update(group=mesh.get_group(), layout="contiguous")
+        q, k, v, kwargs, mesh = _local_call(query, key, value, kwargs)
         result = fn(q, k, v, *args, **kwargs)
+        if mesh is None:
+            return result
+        from torch.distributed.tensor import DTensor, Shard
 
         def wrap(t):
             return DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
@@ -590,8 +603,9 @@ def _query_slices_backward(ctx, grad_out, q, k, v, out, lse):
     """The query slices' backward (_slice_rounds, _BACKWARD_SLICES rounds): a slice's queries,
     output gradient, output and LSE travel to the ranks whose keys it sees; each computes the
     slice's gradient against its own K/V, adds dK and dV into its own fp32 accumulators (so the K/V
-    gradients never travel) and returns dQ, which the owner adds to its own part in fp32, rounded
-    once. Per rank: its shards, fp32 dK and dV, and a few slices."""
+    gradients never travel) and returns dQ, which the owner sums with its own part in fp32 and
+    rounds once (each part the kernel's 16-bit output, as on the ring). Per rank: its shards, fp32
+    dK and dV, and a few slices."""
     group, bounds, scale, causal = ctx.group, ctx.bounds, ctx.scale, ctx.causal
     b, h, _, d = q.shape
     dvo = v.shape[-1]
@@ -1421,20 +1435,28 @@ def plan_context_parallel_block_sparse(
 # ---------------------------------------------------------------------------------------- explain
 def _assumed_seq_len(local: int, world: int, rank: int, layout: str) -> int:
     """A sequence length whose ``layout`` gives ``rank`` a shard of ``local`` tokens (explain takes
-    no collective, so it cannot sum the shards as the op does when ``seq_len`` is not given)."""
-    for n in range(max(0, (local - 1) * world), (local + 1) * world + 1):
+    no collective, so it cannot sum the shards as the op does when ``seq_len`` is not given; the
+    ranks' shards of a few lengths have one size, so pass ``seq_len`` for exact counts)."""
+    even = local * world  # first the even split, where every rank of either layout holds `local`
+    for n in (even, *range(max(0, (local - 1) * world), (local + 1) * world + 1)):
         if sum(c for _, c in chunk_bounds(n, world, layout)[rank]) == local:
             return n
     return local * world
 
 
-def _explain(name: str, a, tgt):
+def _explain(name: str, args, kwargs, tgt):
     """sparse_attn.explain for the context-parallel ops: this rank's schedule, why, and its launches
-    (a group of similar calls as one launch with a count, planned on the first of them). Reads the
-    process group's rank and size; no collective, no kernel."""
+    (a group of similar calls as one launch with a count, planned on the first of them), for the
+    arguments as the call would pass them (DTensors, a DeviceMesh group). Reads the process group's
+    rank and size; no collective, no kernel."""
     from ._plan import Launch, Plan, _backward, _flash_launch, _launch
 
-    q, k, v = a["query"], a["key"], a["value"]
+    signature = inspect.signature(globals()[name])
+    given = dict(signature.bind(*args, **kwargs).arguments)
+    q, k, v, given, _ = _local_call(given.pop("query"), given.pop("key"), given.pop("value"), given)
+    bound = signature.bind(q, k, v, **given)
+    bound.apply_defaults()
+    a = bound.arguments
     rank, world = _group_info(a["group"])
     _args.check_inputs(q, k, v)
     if name == "context_parallel_topk_attention":
@@ -1503,6 +1525,8 @@ def _explain(name: str, a, tgt):
             for qo, qs, lq in shards[rank]
             if (pair := _pair(qo, lq, ko, lk, causal)) is not None
         ]
+        if not pairs:  # an empty shard
+            return Plan(name, "context_parallel_ring", why, (), "the ring")
         qs, lq, ks, (keep, r) = pairs[0]
         launch = _flash_launch(
             q[:, :, qs : qs + lq],

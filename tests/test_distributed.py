@@ -109,20 +109,23 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
             out, lse = cp.context_parallel_attention(
                 *local, causal=causal, window=window, layout=layout, method=method, return_lse=True
             )
-            # explain names this rank's schedule and as many forward calls as ran
-            said = sparse_attn.explain(
-                cp.context_parallel_attention,
-                *local,
-                causal=causal,
-                window=window,
-                layout=layout,
-                method=method,
-                seq_len=length,
-            )
-            launched = sum(launch.count for launch in said.launches if launch.kernel == "flash_fwd")
+            # explain names this rank's schedule and as many forward calls as ran (without seq_len
+            # where the shards are even: it then assumes the even split)
             ran = counting.flash_fwd_calls - fwd_before
-            if launched != ran:
-                errors.put(f"rank {rank} {case}: explain says {launched} flash calls, {ran} ran")
+            given = [{"seq_len": length}] + ([{}] if length % (2 * world) == 0 else [])
+            for extra in given:
+                said = sparse_attn.explain(
+                    cp.context_parallel_attention,
+                    *local,
+                    causal=causal,
+                    window=window,
+                    layout=layout,
+                    method=method,
+                    **extra,
+                )
+                launched = sum(launch.count for launch in said.launches if launch.kernel == "flash_fwd")
+                if launched != ran:
+                    errors.put(f"rank {rank} {case} {extra}: explain says {launched} flash calls, {ran} ran")
             before = len(ring_calls)
             grads = torch.autograd.grad(out, local, cp.shard_sequence(dout, layout=layout))
             _compare_shards(errors, f"rank {rank} {case}", (out, *grads, lse), (ref, *ref_grads, ref_lse), layout, tol)
@@ -460,6 +463,16 @@ def _mesh_cases(rank: int, world: int, errors) -> None:
         errors.put(f"rank {rank}: mesh as group: output differs")
     # DTensors in and out
     leaves = [sharded(t).requires_grad_() for t in (q, k, v)]
+    # explain takes what the op takes: a mesh as the group, DTensors (their shards, contiguous layout)
+    for said in (
+        sparse_attn.explain(cp.context_parallel_attention, *leaves, causal=True),
+        sparse_attn.explain(
+            cp.context_parallel_attention, *(mine(t) for t in (q, k, v)), group=mesh, causal=True, layout="contiguous"
+        ),
+    ):
+        want = cp.plan_context_parallel(True, layout="contiguous", heads=(2, 2), world=world).method
+        if said.route != f"context_parallel_{want}" or not said.launches:
+            errors.put(f"rank {rank}: explain of a DTensor / mesh call says {said.route}: {said.why}")
     out = cp.context_parallel_attention(*leaves, causal=True)
     if not isinstance(out, DTensor) or tuple(out.placements) != (Shard(2),):
         errors.put(f"rank {rank}: DTensor in, {type(out).__name__} out")
