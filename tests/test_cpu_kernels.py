@@ -23,7 +23,8 @@ IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 @pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (40, 40), (48, 80), (256, 256)], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_long_rows_every_head_dim(dtype, d, dv, causal):
-    # 700 keys: one full group of 8 tiles, then 3 tiles, the last ragged (700 = 10 * 64 + 60).
+    # 700 keys: one full group of 8 tiles (one K^T block of the fp32 products), then 3 tiles, the
+    # last ragged (700 = 10 * 64 + 60).
     q, k, v = make_qkv(1, 4, 2, 193, 700, d, dv, dtype=dtype, seed=d + dv)
     out, lse = sparse_attn.flash_attention(q, k, v, causal=causal, return_lse=True)
     check_attention(out, lse, q, k, v, causal=causal)

@@ -262,8 +262,15 @@ struct KVCacheLayout {
   int64_t k_elems, v_elems;  // per slot
   int slots, chunk;
   int k_pack;  // K^T's elements per key in a row: 2 (bf16 pairs) or 1 (fp32)
-  int k_ld() const { return slots * kBlockN + kKPad; }  // in keys (columns)
-  int64_t k_offset(int slot) const { return int64_t(k_pack) * slot * kBlockN; }
+  // Slots per K^T block: the blocks lie one after another, each D rows of k_ld (a product reads the
+  // keys of one block, so its rows are short: see tiled_attention).
+  int block_slots = 1;
+  int k_ld() const { return block_slots * kBlockN + kKPad; }  // in keys (columns)
+  int64_t k_block_elems() const { return k_elems / kBlockN * k_ld(); }
+  int64_t k_total() const { return (slots + block_slots - 1) / block_slots * k_block_elems(); }
+  int64_t k_offset(int slot) const {
+    return slot / block_slots * k_block_elems() + int64_t(k_pack) * (slot % block_slots) * kBlockN;
+  }
   int64_t v_offset(int slot, int x0) const {
     const int w = std::min(chunk, int(v_elems / kBlockN) - x0);
     return int64_t(x0) * slots * kBlockN + int64_t(slot) * kBlockN * w;
@@ -685,10 +692,12 @@ struct TileRows;
 template <int M, int N>
 struct TileRows<WindowTiles<M, N>> {
   static constexpr int value = M;
+  static constexpr bool kFromKeyZero = true;  // with no left window bound, rows start at key 0
 };
 template <int M, int N, bool kTileIsBlock>
 struct TileRows<BlockSparseTiles<M, N, kTileIsBlock>> {
   static constexpr int value = M;
+  static constexpr bool kFromKeyZero = false;
 };
 
 template <typename T, typename Tiles, bool kAmx>
@@ -703,7 +712,13 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   constexpr int64_t kKVCacheBytes = int64_t(256) << 20;
   KVCacheLayout kv{int64_t(D) * N, int64_t(N) * Dv, 1, kAmx ? 64 : Dv, kAmx ? 2 : 1};
   const bool cache = int64_t(num_n) * (kv.k_elems + kv.v_elems) * int64_t(sizeof(Op)) <= kKVCacheBytes;
-  if (cache) kv.slots = num_n;
+  if (cache) kv.slots = kv.block_slots = num_n;
+  // fp32 products over rows that start at key 0 (dense, causal): K^T in blocks of kGroup slots, so
+  // that a group's product reads rows of 544 keys instead of the whole head's (4k keys: the S
+  // product ran ~10 % slower on a Xeon without AMX, docs/PERF_LOG.md); the groups of such rows
+  // start at multiples of kGroup anyway (a causal diagonal's group may end early).
+  if (cache && !kAmx && TileRows<Tiles>::kFromKeyZero && p.window_left < 0)
+    kv.block_slots = std::min(num_n, kGroup);
   const int group = cache ? kGroup : 1;
   constexpr bool kQInPlace = std::is_same_v<T, Op>;  // Q's rows are the product's operand as they are
 #ifdef SA_CPU_AVX512
@@ -714,8 +729,8 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   const int chunk = int64_t(p.b) * p.h >= 2 * int64_t(omp_get_max_threads()) ? num_m : 1;
 #pragma omp parallel
   {
-    ScratchVector<Op> kc(kv.slots * kv.k_elems + int64_t(D) * kKPad), vc(kv.slots * kv.v_elems),
-        qc(kQInPlace ? 0 : kBlockM * D), pc(kAmx ? kBlockM * kPLd : 0);
+    ScratchVector<Op> kc(kv.k_total()), vc(kv.slots * kv.v_elems), qc(kQInPlace ? 0 : kBlockM * D),
+        pc(kAmx ? kBlockM * kPLd : 0);
     ScratchVector<float> s(kBlockM * kScoreLd), acc(kBlockM * Dv), m(kBlockM), l(kBlockM),
         vf(kAmx ? kv.v_elems : 0);
     std::vector<uint64_t> visible(kBlockM * kGroup);
@@ -758,6 +773,7 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
           const int next = tiles.n_block(it + n);
           const int d = next - tiles.n_block(it + n - 1);
           if ((d != 1 && d != -1) || (step != 0 && d != step) || next < 0 || next >= num_n) break;
+          if (next / kv.block_slots != first / kv.block_slots) break;  // one K^T block per product
           step = d;
           ++n;
         }
