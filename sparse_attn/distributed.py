@@ -683,6 +683,16 @@ def _merge_slice(out, lse, parts) -> None:
 
 
 # ------------------------------------------------------------------------------------------ allgather
+def _allgather_calls(bounds_rank, seq_len: int, left: int, right: int):
+    """Per local query chunk, its call against the gathered K/V: (offset in the shard, length, keys
+    [0, end) it attends to, window left and right under flash's bottom-right alignment)."""
+    for qo, qs, lq in _local_chunks(bounds_rank):
+        end = seq_len if right < 0 else min(seq_len, qo + lq + right)
+        w_right = -1 if right < 0 else qo + right - end + lq
+        w_left = -1 if left < 0 else end - lq - qo + left
+        yield qs, lq, end, w_left, w_right
+
+
 def _allgather_attention(q, k, v, bounds, rank, seq_len, scale, left, right, group):
     """Each local query chunk [qo, qo + lq) against keys [0, end) of the gathered K/V, end the first
     key no query of the chunk can see: flash's bottom-right alignment then puts query i at global
@@ -690,10 +700,7 @@ def _allgather_attention(q, k, v, bounds, rank, seq_len, scale, left, right, gro
     k_all = _gather(k, bounds, group, 2)
     v_all = _gather(v, bounds, group, 2)
     outs, lses = [], []
-    for qo, qs, lq in _local_chunks(bounds[rank]):
-        end = seq_len if right < 0 else min(seq_len, qo + lq + right)
-        w_right = -1 if right < 0 else qo + right - end + lq
-        w_left = -1 if left < 0 else end - lq - qo + left
+    for qs, lq, end, w_left, w_right in _allgather_calls(bounds[rank], seq_len, left, right):
         o, lse = _ops.flash_fwd.default(
             q[:, :, qs : qs + lq], k_all[:, :, :end], v_all[:, :, :end], scale, False, w_left, w_right
         )
@@ -1502,16 +1509,18 @@ def _explain(name: str, args, kwargs, tgt):
     if plan.method == "allgather":
         right = 0 if causal else right
         launches = []
-        for qo, qs, lq in _local_chunks(bounds[rank]):
-            end = seq_len if right < 0 else min(seq_len, qo + lq + right)
-            w_right = -1 if right < 0 else qo + right - end + lq
-            w_left = -1 if left < 0 else end - lq - qo + left
-            k_all, v_all = (
-                x[:, :, :1].expand(*x.shape[:2], end, x.shape[3]) for x in (k, v)
-            )  # the gathered prefix's shape
+        for qs, lq, end, w_left, w_right in _allgather_calls(bounds[rank], seq_len, left, right):
+            k_all, v_all = (x[:, :, :1].expand(*x.shape[:2], end, x.shape[3]) for x in (k, v))  # the gathered shape
             launches.append(
                 _flash_launch(
-                    q[:, :, qs : qs + lq], k_all, v_all, False, w_left, w_right, tgt, role=f"query chunk at {qo}"
+                    q[:, :, qs : qs + lq],
+                    k_all,
+                    v_all,
+                    False,
+                    w_left,
+                    w_right,
+                    tgt,
+                    role=f"this shard's rows {qs}-{qs + lq - 1}",
                 )
             )
         backward = _backward("flash_bwd", q, v, tgt) + "; K/V gradients reduced to their owners"

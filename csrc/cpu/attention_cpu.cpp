@@ -715,8 +715,8 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   if (cache) kv.slots = kv.block_slots = num_n;
   // fp32 products over rows that start at key 0 (dense, causal): K^T in blocks of kGroup slots, so
   // that a group's product reads rows of 544 keys instead of the whole head's (4k keys: the S
-  // product ran ~10 % slower on a Xeon without AMX, docs/PERF_LOG.md); the groups of such rows
-  // start at multiples of kGroup anyway (a causal diagonal's group may end early).
+  // product ran ~10 % slower on a Xeon without AMX, docs/PERF_LOG.md). Groups are cut at the
+  // blocks' edges: a row of such tiles (contiguous from key 0) gets at most one more group.
   if (cache && !kAmx && TileRows<Tiles>::kFromKeyZero && p.window_left < 0)
     kv.block_slots = std::min(num_n, kGroup);
   const int group = cache ? kGroup : 1;
