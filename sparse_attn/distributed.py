@@ -314,9 +314,8 @@ class _DenseContextParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bounds, scale, causal, group, schedule):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
         forward = _query_slices_forward if schedule == "queries" else _ring_forward
-        out, lse = forward(q, k, v, bounds, scale, causal, group, rank, world)
+        out, lse = forward(q, k, v, bounds, scale, causal, group)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.bounds, ctx.scale, ctx.causal, ctx.group, ctx.schedule = bounds, scale, causal, group, schedule
         ctx.mark_non_differentiable(lse)
@@ -332,9 +331,10 @@ class _DenseContextParallel(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-def _ring_forward(q, k, v, bounds, scale, causal, group, rank, world):
+def _ring_forward(q, k, v, bounds, scale, causal, group):
     """The ring's forward: P steps, the K/V shards travelling while each rank attends its query chunks
     to the shard at hand, the partials merged in an fp32 accumulator."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     k, v = _pad_shard(k, bounds), _pad_shard(v, bounds)
     b, h, lq_local, _ = q.shape
     acc_o = torch.zeros(b, h, lq_local, v.shape[-1], dtype=torch.float32, device=q.device)
@@ -567,7 +567,7 @@ def _slice_rounds(bounds, causal, group, count, *, send, receive, attend, return
     settle(rounds)
 
 
-def _query_slices_forward(q, k, v, bounds, scale, causal, group, rank, world):
+def _query_slices_forward(q, k, v, bounds, scale, causal, group):
     """The query slices' forward (_slice_rounds): a slice's queries travel, its partial output and
     LSE come back and are merged into this rank's output in fp32, rounded once. The first call,
     this rank's queries against its own K/V, has Lq = Lk, so the causal diagonal of the shard's own
