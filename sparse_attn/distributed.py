@@ -490,7 +490,23 @@ def _shard_call(qo: int, lq: int, key_chunks, causal: bool):
     return None if keys == 0 else (keys, right)
 
 
-def _slice_rounds(bounds, causal, group, count, *, send, receive, attend, returned, absorb, own):
+_ROUND_STREAMS = 2  # CUDA streams the forward's rounds alternate on (1: all on the caller's stream)
+_side_streams: dict = {}
+
+
+def _round_streams(x: torch.Tensor):
+    """The side streams the forward's rounds alternate on where x is on a GPU (None elsewhere, or
+    with _ROUND_STREAMS < 2): a round's kernel starts once its slices are here, on the SMs the
+    previous round's last tiles leave free, instead of after that kernel's tail. Kept per device."""
+    if not x.is_cuda or _ROUND_STREAMS < 2:
+        return None
+    key = (x.device, _ROUND_STREAMS)
+    if key not in _side_streams:
+        _side_streams[key] = [torch.cuda.Stream(x.device) for _ in range(_ROUND_STREAMS)]
+    return _side_streams[key]
+
+
+def _slice_rounds(bounds, causal, group, count, *, send, receive, attend, returned, absorb, own, streams=None):
     """The query slices' exchange, for the forward and the backward alike: round t, every rank sends
     its query slice t (``send(start, n)``: tensors (B, ·, n, ·) of its rows [start, start + n)) to the
     ranks whose keys it sees, receives the slices of the ranks that see its keys (``receive(n)``:
@@ -500,7 +516,12 @@ def _slice_rounds(bounds, causal, group, count, *, send, receive, attend, return
     [results of each rank])`` folds in. ``own()``, this rank's shard against its own K/V, runs
     under round 0's exchange with round 1's posted behind it. Round t waits for the exchange posted
     in round t - 2 and posts round t + 2's slices with the results of round t - 1: an exchange that
-    NCCL can only start once a round's kernel leaves the SMs still lands before it is needed."""
+    NCCL can only start once a round's kernel leaves the SMs still lands before it is needed.
+
+    ``streams`` (CUDA; attend and own writing only tensors of their own, own returning them): own
+    and the rounds run on these side streams in turn, each round after its slices arrived and not
+    after the previous round's kernel, and the caller's stream (exchanges, absorb) waits for a
+    kernel only where it sends or merges that kernel's results."""
 
     def peer(r):
         return r if group is None else dist.get_global_rank(group, r)
@@ -541,6 +562,8 @@ def _slice_rounds(bounds, causal, group, count, *, send, receive, attend, return
         return posted, got
 
     pending, received = [], {}  # exchanges posted and not yet waited for; query slices by round
+    main = torch.cuda.current_stream() if streams else None
+    own_done = []  # own's event, until absorb first waits for it
 
     def post(t, q_round, r_round, computed):
         ops_q, received[q_round] = queries(q_round)
@@ -554,17 +577,50 @@ def _slice_rounds(bounds, causal, group, count, *, send, receive, attend, return
             for req in reqs:
                 req.wait()
             if parts:
+                if own_done:
+                    main.wait_event(own_done.pop())
                 absorb(*slices[rank][r_round][1:], list(parts.values()))
 
+    def on_side(i, fn, inputs=()):  # fn() on side stream i once the caller's stream is where it is now
+        side = streams[i % len(streams)]
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            result = fn()
+        for x in inputs:
+            x.record_stream(side)  # allocated on the caller's stream, read on this one
+        return result, side.record_event()
+
     post(-2, 0, -1, {})
-    own()
+    if streams:
+        outputs, done = on_side(len(streams) - 1, own)
+        for x in outputs or ():
+            x.record_stream(main)  # allocated on the side stream, merged into and returned on the caller's
+        own_done.append(done)
+    else:
+        own()
     post(-1, 1, -1, {})
-    computed = {}
+
+    def attend_round(t, got):  # round t's slices {peer: tensors} -> {peer: results}
+        return {p: attend(tensors, *call(p, t, rank)) for p, tensors in got.items()}
+
+    computed, done = {}, None
     for t in range(rounds + 1):
         settle(t - 2)
+        got = received.pop(t, {})
+        if not streams:
+            post(t, t + 2, t - 1, computed)
+            computed = attend_round(t, got)
+            continue
+        computed_t, done_t = on_side(
+            t, functools.partial(attend_round, t, got), [x for tensors in got.values() for x in tensors]
+        )
+        if done is not None:
+            main.wait_event(done)  # round t - 1's results are sent from here
         post(t, t + 2, t - 1, computed)
-        computed = {p: attend(tensors, *call(p, t, rank)) for p, tensors in received.pop(t, {}).items()}
+        computed, done = computed_t, done_t
     settle(rounds)
+    if own_done:  # no result came back to merge into own's output
+        main.wait_event(own_done.pop())
 
 
 def _query_slices_forward(q, k, v, bounds, scale, causal, group):
@@ -577,6 +633,7 @@ def _query_slices_forward(q, k, v, bounds, scale, causal, group):
 
     def own():
         res["out"], res["lse"] = _ops.flash_fwd.default(q, k, v, scale, causal, -1, -1)
+        return res["out"], res["lse"]
 
     def absorb(start, n, parts):
         rows = slice(start, start + n)
@@ -595,6 +652,7 @@ def _query_slices_forward(q, k, v, bounds, scale, causal, group):
         returned=lambda n: (_empty_along(res["out"], n), res["lse"].new_empty(b, h, n)),
         absorb=absorb,
         own=own,
+        streams=_round_streams(q),
     )
     return res["out"], res["lse"]
 

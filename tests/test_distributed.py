@@ -126,6 +126,16 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
                 launched = sum(launch.count for launch in said.launches if launch.kernel == "flash_fwd")
                 if launched != ran:
                     errors.put(f"rank {rank} {case} {extra}: explain says {launched} flash calls, {ran} ran")
+            if device == "cuda":  # the rounds on side streams: bit for bit the result of one stream
+                streams, cp._ROUND_STREAMS = cp._ROUND_STREAMS, 1
+                try:
+                    plain = cp.context_parallel_attention(
+                        *(t.detach() for t in local), causal=causal, window=window, layout=layout, method=method
+                    )
+                finally:
+                    cp._ROUND_STREAMS = streams
+                if not torch.equal(plain, out.detach()):
+                    errors.put(f"rank {rank} {case}: {streams} round streams differ from one")
             before = len(ring_calls)
             grads = torch.autograd.grad(out, local, cp.shard_sequence(dout, layout=layout))
             _compare_shards(errors, f"rank {rank} {case}", (out, *grads, lse), (ref, *ref_grads, ref_lse), layout, tol)
