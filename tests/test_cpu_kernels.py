@@ -3,8 +3,8 @@ key tiles run as one softmax step and one P V product, bf16 on the matrix unit w
 one (head dims that are multiples of 16) and fp32 otherwise. These cases reach every branch of
 it: long rows (full groups plus a ragged tail), groups broken by a block-sparse list, head dims on
 and off the matrix unit's layout, hidden values that are NaN inside a group, scores so large that
-the exponent's rounding matters, strided inputs read in place, and the 128-row query tiles of
-long dense and causal rows."""
+the exponent's rounding matters, strided inputs read in place, and the 128- and 256-row query
+tiles of long dense and causal rows."""
 
 from __future__ import annotations
 
@@ -93,6 +93,25 @@ def test_wide_query_tiles_keep_hidden_nan_hidden(dtype):
     out = sparse_attn.flash_attention(q, k, v, causal=True)
     assert not out[0, 1, :1000].isnan().any() and not out[0, 0].isnan().any()
     assert out[0, 1, 1000:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=IDS.get)
+@pytest.mark.parametrize("lq,lk", [(4100, 4100), (4096, 4500), (4300, 4096)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_widest_query_tiles(dtype, lq, lk, causal):
+    # From 4096 queries on, fp32 products take 256-row tiles (bf16 inputs too, unless the CPU has
+    # bf16 matrix instructions: then 128): a ragged last tile, Lq != Lk both ways, GQA, Dv != D,
+    # and a NaN in a value row that only the last rows see.
+    q, k, v = make_qkv(1, 2, 1, lq, lk, 64, 80, dtype=dtype, seed=lq + lk)
+    rows = _tile_rows(q, k, v, causal=causal)
+    assert rows == 256 if dtype == torch.float32 else rows in (128, 256)
+    out, lse = sparse_attn.flash_attention(q, k, v, causal=causal, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=causal)
+    if causal:
+        v[0, 0, lk - 50] = float("nan")  # inside the last diagonal tile
+        out = sparse_attn.flash_attention(q, k, v, causal=True)
+        seen = lq - 50  # the first row that sees key lk - 50 (bottom-right aligned)
+        assert not out[0, :, :seen].isnan().any() and out[0, :, seen:].isnan().all()
 
 
 def _tile_rows(q, k, v, **kw):

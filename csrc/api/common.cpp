@@ -533,7 +533,11 @@ DeviceInfo planned_device(const at::Tensor& like, int64_t target_cc, int64_t tar
     device.tma = true;
     return device;
   }
-  if (!like.is_cuda()) return DeviceInfo{};
+  if (!like.is_cuda()) {
+    DeviceInfo cpu;
+    cpu.cpu_bf16_products = cpu_bf16_products();
+    return cpu;
+  }
   TORCH_CHECK(cuda_device_lookup != nullptr, "this build of sparse_attn has no CUDA kernels");
   return cuda_device_lookup(like);
 }

@@ -118,6 +118,8 @@ void set_cuda_device_lookup(CudaDeviceLookup lookup);
 // The device a plan is made for: the tensor's (the CPU: cc = 0), or with target_cc > 0 a GPU of
 // that compute capability with target_sms SMs.
 DeviceInfo planned_device(const at::Tensor& like, int64_t target_cc, int64_t target_sms);
+// Whether the CPU kernels run bf16 products on the CPU's bf16 matrix instructions (ops_cpu.cpp).
+bool cpu_bf16_products();
 
 // The plans flash_fwd / block_sparse_fwd / gather_fwd / topk_select / indexer_select would take
 // for these inputs (their checks included), without running anything: on the inputs' device, or

@@ -48,6 +48,12 @@ const cpu::TileGemm& tile_gemm() {
   return gemm;
 }
 
+}  // namespace
+
+bool cpu_bf16_products() { return tile_gemm().bf16 != nullptr; }
+
+namespace {
+
 void check_cpu(const at::Tensor& query) {
   TORCH_CHECK(query.device().is_cpu(), "expected CPU tensors, got ", query.device());
 }

@@ -400,8 +400,9 @@ bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, bf16_
 // keys hidden by visible[r * kGroup + j] set to -inf, then P = exp2(s - m_new) in place (and as
 // bf16 into p16 when given), acc and l rescaled. A NaN score stays out of the max; exp2 carries it
 // into l and the output.
-SA_CPU_CLONES void softmax_group(float* s, int rows, int tiles, float scale, const uint64_t* visible,
-                                 float* m, float* l, float* acc, int dv, bf16_t* p16) {
+__attribute__((always_inline)) inline void softmax_group_body(float* s, int rows, int tiles, float scale,
+                                                              const uint64_t* visible, float* m, float* l,
+                                                              float* acc, int dv, bf16_t* p16) {
   constexpr int N = kBlockN;
   const int width = tiles * N;
   for (int r = 0; r < rows; ++r) {
@@ -471,6 +472,22 @@ SA_CPU_CLONES void softmax_group(float* s, int rows, int tiles, float scale, con
     m[r] = m_new;
   }
 }
+
+SA_CPU_CLONES void softmax_group(float* s, int rows, int tiles, float scale, const uint64_t* visible,
+                                 float* m, float* l, float* acc, int dv, bf16_t* p16) {
+  softmax_group_body(s, rows, tiles, scale, visible, m, l, acc, dv, p16);
+}
+
+#ifdef SA_CPU_AVX512
+// The same in 512-bit vectors (GCC's AVX-512 clone above, under generic tuning, runs most of its
+// loops at 256 bits; measured ~3 % of a call at D = 128, docs/PERF_LOG.md), for the fp32
+// products on an AVX-512 CPU without AVX512-BF16 (which takes softmax_group_avx512).
+__attribute__((target("avx512f,prefer-vector-width=512"))) void softmax_group_zmm(
+    float* s, int rows, int tiles, float scale, const uint64_t* visible, float* m, float* l, float* acc,
+    int dv, bf16_t* p16) {
+  softmax_group_body(s, rows, tiles, scale, visible, m, l, acc, dv, p16);
+}
+#endif
 
 #ifdef SA_CPU_AVX512
 #pragma GCC diagnostic push
@@ -810,6 +827,9 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
         if (avx512_bf16)
           softmax_group_avx512(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(),
                                acc.data(), Dv, p16);
+        else if (use_avx512())
+          softmax_group_zmm(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(), acc.data(),
+                            Dv, p16);
         else
 #endif
           softmax_group(s.data(), rows, n, p.scale_log2, visible.data(), m.data(), l.data(), acc.data(), Dv,
@@ -849,7 +869,8 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
 template <typename T, typename Tiles>
 void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   if constexpr (std::is_same_v<T, bf16_t>) {
-    if (g.bf16 != nullptr && p.d % 16 == 0 && p.dv % 16 == 0) return tiled_attention<T, Tiles, true>(p, g);
+    if (!cpu_fp32_products(p.dtype, p.d, p.dv, g.bf16 != nullptr))
+      return tiled_attention<T, Tiles, true>(p, g);
   }
   tiled_attention<T, Tiles, false>(p, g);
 }
@@ -1586,7 +1607,13 @@ void dense_fwd(const AttnFwdParams& p) {
 }
 
 void flash_fwd(const AttnFwdParams& p, const TileGemm& g) {
-  if (flash_fwd_cpu_tile(Variant::kWindow, p.lq, p.window_left).block_m == kCpuWideRows)
+  const int rows = flash_fwd_cpu_tile(Variant::kWindow, p.lq, p.window_left,
+                                      cpu_fp32_products(p.dtype, p.d, p.dv, g.bf16 != nullptr))
+                       .block_m;
+  if (rows == kCpuWidestRows)
+    dispatch_dtype(p.dtype,
+                   [&](auto t) { tiled_attention<decltype(t), WindowTiles<kCpuWidestRows, kBlockN>>(p, g); });
+  else if (rows == kCpuWideRows)
     dispatch_dtype(p.dtype,
                    [&](auto t) { tiled_attention<decltype(t), WindowTiles<kCpuWideRows, kBlockN>>(p, g); });
   else

@@ -112,10 +112,14 @@ FlashPlan plan_flash(const AttnFwdParams& p, Variant v, const DeviceInfo& dev, c
   plan.variant = v;
   if (dev.cc == 0) {
     plan.core = Core::kCpu;
-    plan.tile = flash_fwd_cpu_tile(v, p.lq, p.window_left);
+    plan.tile = flash_fwd_cpu_tile(v, p.lq, p.window_left,
+                                   cpu_fp32_products(p.dtype, p.d, p.dv, dev.cpu_bf16_products));
     plan.why_core = "CPU tensors: the OpenMP core";
     plan.why_tile =
-        plan.tile.block_m == kCpuWideRows
+        plan.tile.block_m == kCpuWidestRows ? "one thread's tile of scores; 256 query rows (dense or causal, "
+                                              ">= 4096 queries, fp32 products): "
+                                              "each K/V operand read serves four times the rows"
+        : plan.tile.block_m == kCpuWideRows
             ? "one thread's tile of scores; 128 query rows (dense or causal, >= 1024 queries): each "
               "K/V operand read serves twice the rows"
             : "one thread's tile of scores";

@@ -53,10 +53,21 @@ constexpr FlashTile flash_fwd_cpu_tile() { return {64, 64, 1}; }
 // Dense and causal attention (no left bound) over at least 1024 queries take 128-row tiles: each
 // key/value operand read serves twice the rows (their reads from beyond L2 bound the fp32 products
 // at D = 128), at the price of one masked diagonal tile per 128 rows; short or banded rows keep 64.
+// On fp32 products from 4096 queries, 256 rows halve those reads again (8-10 % faster at 4k-8k, D =
+// 128, on a Xeon without AMX; docs/PERF_LOG.md); the bf16 matrix products keep 128 (not measured).
 constexpr int kCpuWideRows = 128;
-inline FlashTile flash_fwd_cpu_tile(Variant v, int lq, int window_left) {
-  if (v == Variant::kWindow && lq >= 1024 && window_left < 0) return {kCpuWideRows, 64, 1};
+constexpr int kCpuWidestRows = 256;
+inline FlashTile flash_fwd_cpu_tile(Variant v, int lq, int window_left, bool fp32_products) {
+  if (v == Variant::kWindow && window_left < 0) {
+    if (fp32_products && lq >= 4096) return {kCpuWidestRows, 64, 1};
+    if (lq >= 1024) return {kCpuWideRows, 64, 1};
+  }
   return flash_fwd_cpu_tile();
+}
+// Whether the CPU kernels' products run in fp32: every dtype but bf16 on a CPU with bf16 matrix
+// instructions (bf16_products) and head dims that fit their operand layout.
+constexpr bool cpu_fp32_products(ScalarKind dtype, int d, int dv, bool bf16_products) {
+  return !(dtype == ScalarKind::kBFloat16 && bf16_products && d % 16 == 0 && dv % 16 == 0);
 }
 
 // The compiled head dimension that serves a head dimension d <= 256 (a multiple of 8): loads
@@ -109,6 +120,7 @@ struct DeviceInfo {
   int sms = 0;                // streaming multiprocessors
   bool sm90_kernels = false;  // this build holds the sm_90a kernels
   bool tma = false;           // the driver can encode TMA descriptors
+  bool cpu_bf16_products = false;  // CPU: bf16 matrix instructions (AMX) the CPU kernels use
 };
 
 // Overrides of the plan's choices, for tests and benchmarks (set through the private op
