@@ -138,9 +138,11 @@ def test_block_sparse_gradients_with_heavy_key_blocks(d, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("indexer", [False, True])
-def test_topk_gradients_given_the_selection(indexer, dtype, device):
-    q, k, v = make_qkv(2, 4, 2, 120, 150, 64, dtype=dtype, seed=3)
+@pytest.mark.parametrize("indexer,h,hkv", [(False, 4, 2), (True, 4, 2), (True, 64, 1)])
+def test_topk_gradients_given_the_selection(indexer, h, hkv, dtype, device):
+    """(True, 64, 1): 64 heads share the indexer's selection and the kv head, whose forward is the
+    wgmma gather on an H100 (gather_wgmma.cuh), its backward the mma.sync one."""
+    q, k, v = make_qkv(2, h, hkv, 120, 150, 64, dtype=dtype, seed=3)
     extra = {}
     if indexer:
         g = torch.Generator().manual_seed(4)
@@ -161,7 +163,7 @@ def test_topk_gradients_given_the_selection(indexer, dtype, device):
     def mask():
         m = torch.zeros(2, idx.shape[1], 120, 151, dtype=torch.bool)
         m.scatter_(-1, torch.where(idx >= 0, idx, 150).long(), True)
-        return m[..., :150].repeat_interleave(4 // idx.shape[1], dim=1)
+        return m[..., :150].repeat_interleave(h // idx.shape[1], dim=1)
 
     _check(f"topk indexer={indexer}", fn, mask, q, k, v, device=device)
 

@@ -274,6 +274,29 @@ def test_gather_heads_per_warp(h, hkv, heads_per_warp):
         assert plan.launches[1].options["heads_per_warp"] == 1
 
 
+@pytest.mark.parametrize(
+    "h,hkv,hi,d,core",
+    [(64, 1, 4, 128, "hopper"), (128, 2, 2, 64, "hopper"), (64, 1, 0, 128, "portable"), (64, 1, 1, 96, "portable")],
+)
+def test_gather_of_64_heads_on_hopper(h, hkv, hi, d, core):
+    """Runs of 64 heads sharing a kv head and an index set (the lightning indexer's one set) take
+    the wgmma gather on sm_90 (head dims 64 and 128), and only there; hi = 0: a set per head."""
+    q, k, v = make_qkv(1, h, hkv, 256, 256, d)
+    args = (sparse_attn.topk_attention, q, k, v, 16)
+    extra = {}
+    if hi:
+        iq, ik, iw = torch.randn(1, 256, hi, 32), torch.randn(1, 256, 32), torch.randn(1, 256, hi)
+        extra = {"index_query": iq, "index_key": ik, "index_weights": iw}
+    with overrides(topk_attention_route="gather"):
+        gather = sparse_attn.explain(*args, **extra, target="sm90").launches[1]
+        assert gather.core == core
+        if core == "hopper":
+            assert gather.options["heads_per_cta"] == 64 and gather.options["head_dim"] == d
+            assert sparse_attn.explain(*args, **extra, target="sm80").launches[1].core == "portable"
+            with overrides(portable_only=True):
+                assert sparse_attn.explain(*args, **extra, target="sm90").launches[1].core == "portable"
+
+
 def test_select_plans():
     q, k, v = make_qkv(1, 4, 1, 4096, 4096, 128)
     plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 64, causal=True, target="sm90")

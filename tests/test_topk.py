@@ -292,6 +292,36 @@ def test_gather_with_index_sets_shared_across_heads(dtype, shape, k_sel, device)
     assert bool(torch.isneginf(lse[:, :, :2]).all()), "rows listing no key have LSE -inf"
 
 
+# (B, H, Hkv, Hi, Lq, Lk, D) whose runs of 64 heads share a kv head and an index set: on an H100
+# the wgmma gather (gather_wgmma.cuh), one CTA per token and 64 heads, 64-key stages in a ring of 3.
+WGMMA_GATHER_SHAPES = {
+    "dsa_64_heads": (1, 64, 1, 1, 9, 1500, 128),
+    "two_kv_groups_d64": (2, 128, 2, 2, 5, 700, 64),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("k_sel", [64, 130, 641])
+@pytest.mark.parametrize("shape", list(WGMMA_GATHER_SHAPES), ids=list(WGMMA_GATHER_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gather_of_64_heads_over_many_stages(dtype, shape, k_sel):
+    """Selections longer than the stage ring (k = 641: 11 stages of 64 keys, the last partial;
+    130: a ring turn and a 2-key stage), with -1 and out-of-range slots and rows with none; the
+    Hopper plan on sm_90, the same inputs through the mma.sync gather for comparison."""
+    b, h, hkv, hi, lq, lk, d = WGMMA_GATHER_SHAPES[shape]
+    q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=dtype, device="cuda", seed=k_sel + h)
+    idx = unique_indices(b, hi, lq, lk, k_sel, seed=k_sel + lk, device="cuda")
+    idx[0, 0, 3, : k_sel // 2] = -1  # a row whose first stages hold no key
+    out, lse = torch.ops.sparse_attn.gather_fwd(q, k, v, idx)
+    check_gather(out, lse, q, k, v, idx, name=f"wgmma gather {shape} {dtype} k={k_sel}")
+    with overrides(portable_only=True):
+        out_p, lse_p = torch.ops.sparse_attn.gather_fwd(q, k, v, idx)
+    defined = torch.isfinite(lse_p)
+    assert torch.equal(torch.isfinite(lse), defined)
+    torch.testing.assert_close(lse[defined], lse_p[defined], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(out.float(), out_p.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("indexer", [False, True])
 @pytest.mark.parametrize("workspace", [2 * 64 * 200 * 4, 10_000], ids=["two_tiles", "row_chunks"])

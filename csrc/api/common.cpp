@@ -582,6 +582,8 @@ std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const
   std::ostringstream out;
   out << "core=" << core_name(plan.core);
   if (plan.core == Core::kPortable) out << "\nhead_dim=" << plan.head_dim << "\nheads_per_warp=" << plan.group;
+  if (plan.core == Core::kHopper)
+    out << "\nhead_dim=" << plan.head_dim << "\nheads_per_cta=" << kGatherWgmmaHeads;
   out << "\nwhy_core=" << plan.why;
   return out.str();
 }

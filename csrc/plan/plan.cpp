@@ -195,16 +195,25 @@ GatherPlan plan_gather(const AttnFwdParams& p, const DeviceInfo& dev) {
   plan.head_dim = p.d <= 64 ? 64 : 128;
   // Heads per warp: the longest aligned run of heads sharing a kv head and an index set
   // (gcd(H / Hkv, H / Hi)), cut to its largest divisor <= 16.
-  int a = p.h_per_kv, c = p.h_per_idx;
+  int run = p.h_per_kv, c = p.h_per_idx;
   while (c != 0) {
-    const int r = a % c;
-    a = c;
+    const int r = run % c;
+    run = c;
     c = r;
   }
-  a = std::max(a, 1);
-  plan.group = std::min(a, kGatherMmaRows);
-  while (a % plan.group != 0) --plan.group;
+  run = std::max(run, 1);
+  plan.group = std::min(run, kGatherMmaRows);
+  while (run % plan.group != 0) --plan.group;
   plan.why = "tensor cores: each selected K/V row is loaded once for the query heads that share it";
+  // Runs of 64 heads (DeepSeek-style sparse attention: one kv head, one index set): the wgmma
+  // gather, a token's 64 heads the M = 64 rows of every product.
+  if (dev.cc == 90 && dev.sm90_kernels && !plan_options().portable_only && run % kGatherWgmmaHeads == 0 &&
+      (p.d == 64 || p.d == 128)) {
+    plan.core = Core::kHopper;
+    plan.head_dim = p.d;
+    plan.why =
+        "Hopper wgmma: a token's 64 heads share each selected K/V row and every product (64-row tiles)";
+  }
   return plan;
 }
 

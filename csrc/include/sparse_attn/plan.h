@@ -94,6 +94,8 @@ inline int topk_score_dim(const TopkSelectParams& p) { return (p.indexer ? p.di 
 
 // Heads per warp of the tensor-core gather (one m16 tile).
 constexpr int kGatherMmaRows = 16;
+// Heads per CTA of the Hopper gather (gather_wgmma.cuh: the M = 64 rows of its wgmma tiles).
+constexpr int kGatherWgmmaHeads = 64;
 
 // Whether a call's inputs go to kernels that copy 16-byte chunks (every 16-bit flash and
 // block-sparse kernel; the tensor-core gather): the glue then copies inputs whose base or
@@ -160,9 +162,13 @@ FlashPlan plan_flash(const AttnFwdParams& params, Variant variant, const DeviceI
                      const PlanOptions& options);
 
 struct GatherPlan {
-  Core core = Core::kCpu;  // kPortable: the tensor-core gather; kCudaCores: one warp per query row
-  int head_dim = 0;        // tensor-core gather: the compiled head dim (64 or 128)
-  int group = 1;           // tensor-core gather: query heads per warp (rows of its m16 tile)
+  // kHopper: the wgmma gather (64 heads per CTA); kPortable: the mma.sync gather; kCudaCores: one
+  // warp per query row.
+  Core core = Core::kCpu;
+  int head_dim = 0;  // tensor-core gathers: the compiled head dim (64 or 128)
+  // mma.sync gather: query heads per warp (rows of its m16 tile). Also set for kHopper: the
+  // backward (gather_bwd.cuh) runs the mma.sync layout.
+  int group = 1;
   const char* why = "";
 };
 

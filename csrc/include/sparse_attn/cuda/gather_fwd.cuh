@@ -1,6 +1,7 @@
 // Attention over gathered keys (top-k attention given its selection): softmax over each query's
-// listed keys (params.indices, -1 or out of range = none) of scale * q.k, times V. On the tensor
-// cores (gather_mma.cuh) or the CUDA cores (here, one warp per query row), as plan_gather says.
+// listed keys (params.indices, -1 or out of range = none) of scale * q.k, times V. On Hopper's
+// wgmma (gather_wgmma.cuh, 64 heads sharing a selection), the mma.sync tensor cores
+// (gather_mma.cuh) or the CUDA cores (here, one warp per query row), as plan_gather says.
 #pragma once
 
 #include <climits>
@@ -9,6 +10,7 @@
 #include "sparse_attn/cuda/element.cuh"
 #include "sparse_attn/cuda/gather_fwd.h"
 #include "sparse_attn/cuda/gather_mma.cuh"
+#include "sparse_attn/cuda/gather_wgmma.cuh"
 #include "sparse_attn/cuda/ptx.cuh"
 #include "sparse_attn/softmax_row.h"
 
@@ -92,6 +94,9 @@ namespace sparse_attn {
 template <ScalarKind kDtype>
 cudaError_t run_gather_fwd_(const AttnFwdParams& params, const GatherPlan& plan, cudaStream_t stream) {
   if constexpr (kDtype != ScalarKind::kFloat32) {
+    if (plan.core == Core::kHopper)
+      return plan.head_dim == 64 ? cuda::run_gather_wgmma_<kDtype, 64>(params, stream)
+                                 : cuda::run_gather_wgmma_<kDtype, 128>(params, stream);
     if (plan.core == Core::kPortable)
       return plan.head_dim == 64 ? cuda::run_gather_mma_<kDtype, 64>(params, plan.group, stream)
                                  : cuda::run_gather_mma_<kDtype, 128>(params, plan.group, stream);
