@@ -209,7 +209,7 @@ def atomic_table(dev) -> list[str]:
 
 def topk_table(args, dev) -> list[str]:
     """Backward of gathered attention given the selection, against its forward (MQA)."""
-    length, kk, h, d = args.topk_length, 2048, 16, 128
+    length, kk, h, d = args.topk_length, 2048, args.topk_heads, 128
     q, k, v = qkv(1, h, 1, length, d, dev, seed=2)
     gen = torch.Generator(device=dev).manual_seed(0)
     # A causal random selection of k keys per query (what the selection kernels emit: ascending, -1 padded).
@@ -243,6 +243,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sparse-length", type=int, default=16384)
     parser.add_argument("--sparse-head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--topk-length", type=int, default=65536)
+    parser.add_argument("--topk-heads", type=int, default=16, help="top-k table: query heads on one K/V head")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-flex", action="store_true")
     args = parser.parse_args(argv)

@@ -138,11 +138,14 @@ def test_block_sparse_gradients_with_heavy_key_blocks(d, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("indexer,h,hkv", [(False, 4, 2), (True, 4, 2), (True, 64, 1)])
-def test_topk_gradients_given_the_selection(indexer, h, hkv, dtype, device):
-    """(True, 64, 1): 64 heads share the indexer's selection and the kv head, whose forward is the
-    wgmma gather on an H100 (gather_wgmma.cuh), its backward the mma.sync one."""
-    q, k, v = make_qkv(2, h, hkv, 120, 150, 64, dtype=dtype, seed=3)
+@pytest.mark.parametrize(
+    "indexer,h,hkv,d", [(False, 4, 2, 64), (True, 4, 2, 64), (True, 64, 1, 64), (True, 64, 1, 128)]
+)
+def test_topk_gradients_given_the_selection(indexer, h, hkv, d, dtype, device):
+    """h = 64: 64 heads share the indexer's selection and the kv head: on an H100 the forward is the
+    wgmma gather (gather_wgmma.cuh), the backward the mma.sync one whose four warps of a token share
+    K/V stages and reduce dK, dV once for all 64 heads (gather_bwd.cuh, kShared)."""
+    q, k, v = make_qkv(2, h, hkv, 120, 150, d, dtype=dtype, seed=3)
     extra = {}
     if indexer:
         g = torch.Generator().manual_seed(4)

@@ -6,6 +6,13 @@
 // for the stage's listed keys, reduced over the group's heads by the mma, then added to the fp32
 // accumulators in 16-key x 32-column blocks staged in shared memory, so that every vector reduction
 // adds whole 128-byte lines (P and dS go through shared memory transposed).
+//
+// kShared (the forward's kShared): where four consecutive groups of 16 heads share the kv head and
+// the index set (64 heads of one DeepSeek-like token), a CTA's four warps are those groups of one
+// token: they load each stage's K/V rows once (a quarter each), write P^T and dS^T side by side
+// (64 heads per key row), and then split dK and dV by columns, each warp's products running over
+// all 64 heads (K = 64), so that every (key, column) is reduced into the fp32 accumulators once per
+// token instead of once per group: a quarter of the reductions, which bound this kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +33,11 @@ constexpr int kGatherBwdKeys = 16;
 template <int kHeadDim>
 struct GatherBwdLayout {
   static constexpr int kChunks = kHeadDim / 8;
+  // kShared: the CTA's Q and dO tiles (64 rows each), one ring of (K, V) stages, P^T and dS^T as
+  // rows of 64 heads padded to kSharedPRow (ldmatrix reads 8 rows 144 bytes apart: no conflicts),
+  // then each warp's reduction rows.
+  static constexpr int kSharedPRow = 4 * kGatherMmaRows + 8;
+  static constexpr int kSharedPBytes = kGatherBwdKeys * kSharedPRow * 2;
   static constexpr int kQBytes = kGatherMmaRows * kHeadDim * 2;
   static constexpr int kKVBytes = kGatherBwdKeys * kHeadDim * 2;
   static constexpr int kPBytes = kGatherBwdKeys * kGatherMmaRows * 2;  // (keys, heads), 32-byte rows
@@ -35,9 +47,11 @@ struct GatherBwdLayout {
   // Q, dO, (K, V) per stage, P^T, dS^T, the reduction's rows.
   static constexpr int kWarpBytes = 2 * kQBytes + kGatherMmaStages * 2 * kKVBytes + 2 * kPBytes + kRBytes;
   static constexpr int kSmemBytes = kGatherMmaWarps * kWarpBytes;
+  static constexpr int kSharedSmemBytes = kGatherMmaWarps * (2 * kQBytes + kRBytes) +
+                                          kGatherMmaStages * 2 * kKVBytes + 2 * kSharedPBytes;
 };
 
-template <ScalarKind kDtype, int kHeadDim>
+template <ScalarKind kDtype, int kHeadDim, bool kShared>
 __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
     gather_bwd_mma_kernel(__grid_constant__ const AttnBwdParams bp, const int group) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -52,18 +66,36 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4, r8 = lane % 8;
   const int groups = p.h / group;
-  const int64_t task = int64_t(blockIdx.x) * kGatherMmaWarps + warp;  // over (B, groups, Lq)
-  if (task >= int64_t(p.b) * groups * p.lq) return;
-  const int i = int(task % p.lq), hg = int((task / p.lq) % groups), b = int(task / (int64_t(p.lq) * groups));
+  int i, hg, b;
+  if constexpr (kShared) {  // CTA over (B, groups / 4, Lq); warp = the group within the four
+    const int64_t task = blockIdx.x, quads = groups / kGatherMmaWarps;
+    i = int(task % p.lq);
+    hg = int((task / p.lq) % quads) * kGatherMmaWarps + warp;
+    b = int(task / (int64_t(p.lq) * quads));
+  } else {
+    const int64_t task = int64_t(blockIdx.x) * kGatherMmaWarps + warp;  // over (B, groups, Lq)
+    if (task >= int64_t(p.b) * groups * p.lq) return;
+    i = int(task % p.lq), hg = int((task / p.lq) % groups), b = int(task / (int64_t(p.lq) * groups));
+  }
   const int h0 = hg * group, hk = h0 / p.h_per_kv;
 
-  const uint32_t sQ = smem_u32(smem) + warp * L::kWarpBytes, sdO = sQ + L::kQBytes;
-  auto sK = [&](int stage) { return sdO + L::kQBytes + stage * 2 * L::kKVBytes; };
+  // kShared: the warps' Q tiles are the 16-row slices of one 64-row tile (likewise dO), so that
+  // dK = dS^T Q runs over all 64 heads; P^T and dS^T rows hold the 64 heads, this warp's at
+  // columns 16 warp ...
+  constexpr int kPRow = kShared ? L::kSharedPRow : kGatherMmaRows;  // elements per P^T row
+  const uint32_t base = smem_u32(smem);
+  const uint32_t sQ = kShared ? base + warp * L::kQBytes : base + warp * L::kWarpBytes;
+  const uint32_t sdO = kShared ? sQ + kGatherMmaWarps * L::kQBytes : sQ + L::kQBytes;
+  const uint32_t sKV = kShared ? base + 2 * kGatherMmaWarps * L::kQBytes : sdO + L::kQBytes;
+  auto sK = [&](int stage) { return sKV + stage * 2 * L::kKVBytes; };
   auto sV = [&](int stage) { return sK(stage) + L::kKVBytes; };
-  const uint32_t sP = sdO + L::kQBytes + kGatherMmaStages * 2 * L::kKVBytes, sDs = sP + L::kPBytes;
-  char* pP = smem + (sP - smem_u32(smem));
-  char* pDs = smem + (sDs - smem_u32(smem));
-  float* rows32 = reinterpret_cast<float*>(pDs + L::kPBytes);
+  const uint32_t sP = sKV + kGatherMmaStages * 2 * L::kKVBytes,
+                 sDs = sP + (kShared ? L::kSharedPBytes : L::kPBytes);
+  char* pP = smem + (sP - base);
+  char* pDs = smem + (sDs - base);
+  float* rows32 = kShared ? reinterpret_cast<float*>(smem + (sDs - base) + L::kSharedPBytes) + warp * (L::kRBytes / 4)
+                          : reinterpret_cast<float*>(pDs + L::kPBytes);
+  const int p_col = kShared ? warp * kGatherMmaRows : 0;  // this warp's heads in a P^T row
 
   const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
                        int64_t(i) * p.idx_row_stride;
@@ -102,10 +134,14 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
     const int j = lane < kKeys && chunk < n_stages && pos < p.topk ? __ldg(idx + pos) : -1;
     return j >= 0 && j < p.lk ? j : -1;
   };
+  // kShared: warp w copies slots [kKeys / 4 * w, kKeys / 4 * (w + 1)) of each stage.
+  constexpr int kLoadKeys = kShared ? kKeys / kGatherMmaWarps : kKeys;
+  static_assert(kLoadKeys % kRowsPerStep == 0);
+  const int u0 = kShared ? warp * kLoadKeys : 0;
   auto issue = [&](int stage, int jl) {
 #pragma unroll
-    for (int s = 0; s < kKeys / kRowsPerStep; ++s) {
-      const int u = r0 + s * kRowsPerStep;
+    for (int s = 0; s < kLoadKeys / kRowsPerStep; ++s) {
+      const int u = u0 + r0 + s * kRowsPerStep;
       const int j = __shfl_sync(0xffffffffu, jl, u);
       const bool ok = col_ok && j >= 0;
       cp_async_16(sK(stage) + swz<kChunks>(u, c), ok ? k + int64_t(j) * p.k_row_stride + c * 8 : k,
@@ -166,7 +202,10 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
     } else {
       cp_async_wait<0>();
     }
-    __syncwarp();
+    if constexpr (kShared)
+      __syncthreads();  // every warp's quarter of the stage landed
+    else
+      __syncwarp();
 
     float s[1][kKeys / 8][4], dp[1][kKeys / 8][4];
 #pragma unroll
@@ -210,11 +249,52 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
     for (int ni = 0; ni < kKeys / 8; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int slot = ni * 8 + 2 * t + e % 2, head = g + 8 * (e / 2);
-        const int at = (slot * kGatherMmaRows + head) * 2;
+        const int slot = ni * 8 + 2 * t + e % 2, head = p_col + g + 8 * (e / 2);
+        const int at = (slot * kPRow + head) * 2;
         *reinterpret_cast<Element*>(pP + at) = from_f32<Element>(s[0][ni][e]);
         *reinterpret_cast<Element*>(pDs + at) = from_f32<Element>(dp[0][ni][e]);
       }
+    if constexpr (kShared) {
+      __syncthreads();  // every warp's P^T and dS^T columns are written
+      // dK = dS^T Q and dV = P^T dO over the token's 64 heads (K = 64), each warp its share of
+      // the (tensor, 32-column block)s.
+      constexpr int kDc = kDTiles / 4;
+#pragma unroll
+      for (int mt = 0; mt < kKeys / 16; ++mt) {
+        uint32_t ap[4][4], ad[4][4];
+#pragma unroll
+        for (int kh = 0; kh < 4; ++kh) {
+          const uint32_t arow =
+              uint32_t(((mt * 16 + ((lane / 8) % 2) * 8 + r8) * kPRow + kh * 16 + (lane / 16) * 8) * 2);
+          ldmatrix_x4(ap[kh], sP + arow);
+          ldmatrix_x4(ad[kh], sDs + arow);
+        }
+        const uint32_t q_tile = base + bt_base, do_tile = base + kGatherMmaWarps * L::kQBytes + bt_base;
+        static_for<2 * kDc>([&](auto blk_) {
+          constexpr int blk = decltype(blk_)::value, dc = blk % kDc;
+          if (blk % kGatherMmaWarps != warp) return;
+          float a[4][4];
+#pragma unroll
+          for (int x = 0; x < 4; ++x)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[x][e] = 0.f;
+          if constexpr (blk < kDc) {
+            mma_nn<kDtype, kChunks, 4, 4, 2 * dc>(a, ad, q_tile);
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) a[x][e] *= p.scale;
+            reduce_rows(a, dk_acc, p.d, mt, dc);
+          } else {
+            mma_nn<kDtype, kChunks, 4, 4, 2 * dc>(a, ap, do_tile);
+            reduce_rows(a, dv_acc, p.dv, mt, dc);
+          }
+        });
+      }
+      j_cur = j_next;
+      __syncthreads();  // every warp is done with this stage and with P^T, dS^T before they are refilled
+      continue;
+    }
     __syncwarp();
     // dK = dS^T Q and dV = P^T dO for the stage's slots (16-key m tiles), 32 columns at a time.
 #pragma unroll
@@ -262,14 +342,27 @@ template <ScalarKind kDtype, int kHeadDim>
 cudaError_t run_gather_bwd_mma_(const AttnBwdParams& params, int group, cudaStream_t stream) {
   const AttnFwdParams& p = params.fwd;
   const int64_t tasks = int64_t(p.b) * (p.h / group) * p.lq;
-  const int64_t blocks = (tasks + cuda::kGatherMmaWarps - 1) / cuda::kGatherMmaWarps;
+  const int64_t blocks = (tasks + cuda::kGatherMmaWarps - 1) / cuda::kGatherMmaWarps;  // exact when shared
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  constexpr int kSmem = cuda::GatherBwdLayout<kHeadDim>::kSmemBytes;
-  auto kernel = cuda::gather_bwd_mma_kernel<kDtype, kHeadDim>;
-  SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<unsigned(blocks), cuda::kGatherMmaWarps * 32, kSmem, stream>>>(params, group);
-  return cudaGetLastError();
+  // Shared stages where four consecutive groups of 16 read one kv head and one index set (the
+  // forward's rule, run_gather_mma_).
+  int run = p.h_per_kv, c = p.h_per_idx;
+  while (c != 0) {
+    const int r = run % c;
+    run = c;
+    c = r;
+  }
+  const bool shared = group == kGatherMmaRows && run % (cuda::kGatherMmaWarps * group) == 0;
+  auto launch = [&](auto kernel, int smem) -> cudaError_t {
+    SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<unsigned(blocks), cuda::kGatherMmaWarps * 32, smem, stream>>>(params, group);
+    return cudaGetLastError();
+  };
+  if (shared)
+    return launch(cuda::gather_bwd_mma_kernel<kDtype, kHeadDim, true>,
+                  cuda::GatherBwdLayout<kHeadDim>::kSharedSmemBytes);
+  return launch(cuda::gather_bwd_mma_kernel<kDtype, kHeadDim, false>, cuda::GatherBwdLayout<kHeadDim>::kSmemBytes);
 }
 
 }  // namespace sparse_attn
