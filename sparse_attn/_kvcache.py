@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from . import _meta
 from .masks import BlockSparseMask
 
 _ops = torch.ops.sparse_attn
@@ -147,7 +148,7 @@ def composite(
     keep = exists[:, None, :, None]
     k = torch.where(keep, _cache_view(key_cache, block_table), 0)
     v = torch.where(keep, _cache_view(value_cache, block_table), 0)
-    return _ops.dense_fwd.default(query, k, v, vis, scale, False)
+    return _meta.forward(_ops.dense_fwd.default, query, k, v, vis, scale, False)
 
 
 def topk_mask(

@@ -316,3 +316,20 @@ torch.library.register_autograd("sparse_attn::flash_fwd", _flash_backward, setup
 torch.library.register_autograd("sparse_attn::block_sparse_fwd", _block_sparse_backward, setup_context=_setup_context)
 torch.library.register_autograd("sparse_attn::gather_fwd", _gather_backward, setup_context=_setup_context)
 torch.library.register_autograd("sparse_attn::dense_fwd", _dense_backward, setup_context=_setup_context)
+
+
+def forward(op, query, key, value, *rest):
+    """``op(query, key, value, *rest)`` for the forward ops above, whose gradients (for query, key
+    and value only) register_autograd defines.
+
+    The autograd wrapper that register_autograd installs runs in Python on every call, ~10-15 us
+    even when nothing needs a gradient: most of SDPA's whole time on a small CPU input. An eager
+    call where no gradient can be needed (grad mode off, or none of query, key, value requiring
+    grad) dispatches below autograd directly, as that wrapper itself would; traced calls
+    (torch.compile, torch.export) keep the registered path."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return op(query, key, value, *rest)
+    if torch.compiler.is_compiling():
+        return op(query, key, value, *rest)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(query, key, value, *rest)

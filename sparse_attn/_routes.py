@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from . import _meta
 from .masks import _FULL, _NONE, BlockSparseMask, cta_schedule
 from .patterns import causal as _causal_pattern
 
@@ -15,7 +16,7 @@ _ops = torch.ops.sparse_attn
 
 
 def flash(query, key, value, scale, causal: bool = False, left: int = -1, right: int = -1):
-    return _ops.flash_fwd.default(query, key, value, scale, causal, left, right)
+    return _meta.forward(_ops.flash_fwd.default, query, key, value, scale, causal, left, right)
 
 
 def dilated_half_window(window: int, dilation: int) -> int:
@@ -98,7 +99,7 @@ def _mask_args(m: BlockSparseMask) -> tuple:
 
 
 def block_kernel(query, key, value, m: BlockSparseMask, scale):
-    return _ops.block_sparse_fwd.default(query, key, value, *_mask_args(m), scale, schedule(m))
+    return _meta.forward(_ops.block_sparse_fwd.default, query, key, value, *_mask_args(m), scale, schedule(m))
 
 
 def block_kernel_backward(grad_out, query, key, value, out, lse, grad_lse, m: BlockSparseMask, scale):

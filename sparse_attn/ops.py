@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _args, _kvcache, _plan, _routes, _varlen
+from . import _args, _kvcache, _meta, _plan, _routes, _varlen
 
 __all__ = [
     "attention_with_kvcache",
@@ -77,7 +77,7 @@ def dense_attention(
     >>> sparse_attn.dense_attention(q, k, v, causal=True).shape
     torch.Size([1, 2, 16, 64])
     """
-    out, lse = _ops.dense_fwd.default(query, key, value, attn_mask, _args.scale(scale), bool(causal))
+    out, lse = _meta.forward(_ops.dense_fwd.default, query, key, value, attn_mask, _args.scale(scale), bool(causal))
     return _result(out, lse, None, return_lse)
 
 
@@ -329,7 +329,7 @@ def topk_attention(
         if key_lengths is not None:  # listed keys past a sequence's length dropped
             lens = _args.key_lengths_on(key_lengths, query, key)
             token_indices = torch.where(token_indices < lens[:, None, None, None], token_indices, -1)
-        out, lse = _ops.gather_fwd.default(query, key, value, token_indices, scale)
+        out, lse = _meta.forward(_ops.gather_fwd.default, query, key, value, token_indices, scale)
         return _result(out, lse, indices, return_lse, return_indices)
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"k must be an int, got {type(k).__name__}")
@@ -389,7 +389,7 @@ def _attend_selection(query, key, value, indices, scale, k, causal):
     route = _plan.measured_selection_route(query, key, value, indices, k, causal)
     if route.kind == "masked_block":
         return _routes.selection_blocks(query, key, value, indices, scale, causal)
-    return _ops.gather_fwd.default(query, key, value, indices, scale)
+    return _meta.forward(_ops.gather_fwd.default, query, key, value, indices, scale)
 
 
 def _topk_with_sinks(

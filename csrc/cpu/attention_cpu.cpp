@@ -229,6 +229,9 @@ SA_CPU_CLONES void scale_to_bf16(const float* x, float mul, int n, bf16_t* out) 
   }
 }
 
+// out = x * mul as fp16 (vectorised on AVX-512 CPUs; defined with the AVX-512 functions below).
+void scale_to_fp16(const float* x, float mul, int n, fp16_t* out);
+
 // Writes out = acc / l and lse for one query row; a row that saw no key gets 0 and -inf.
 template <typename T>
 void finalize_row(const AttnFwdParams& p, int b, int h, int64_t i, const float* acc, float m, float l) {
@@ -237,6 +240,8 @@ void finalize_row(const AttnFwdParams& p, int b, int h, int64_t i, const float* 
   const float inv = row_inv(l);  // 0 for a row that saw no key, whose acc is 0
   if constexpr (std::is_same_v<T, bf16_t>)
     scale_to_bf16(acc, inv, p.dv, out);
+  else if constexpr (std::is_same_v<T, fp16_t>)
+    scale_to_fp16(acc, inv, p.dv, out);
   else
     for (int c = 0; c < p.dv; ++c) out[c] = from_float<T>(acc[c] * inv);
   *lse = row_lse(m, l);
@@ -301,6 +306,13 @@ inline bool use_avx512_bf16() {
 }
 bool load_kv_f32_avx512(const float* k, int64_t k_stride, const float* v, int64_t v_stride, int cols, int D,
                         int Dv, float* kt, int64_t k_ld, float* vt);
+bool load_kv_half_f32_avx512(const bf16_t* k, int64_t k_stride, const bf16_t* v, int64_t v_stride, int cols,
+                             int D, int Dv, float* kt, int64_t k_ld, float* vt);
+void widen_row_avx512(const bf16_t* src, int n, float* dst);
+void widen_row_avx512(const fp16_t* src, int n, float* dst);
+void scale_to_fp16_avx512(const float* x, float mul, int n, fp16_t* out);
+bool load_kv_half_f32_avx512(const fp16_t* k, int64_t k_stride, const fp16_t* v, int64_t v_stride, int cols,
+                             int D, int Dv, float* kt, int64_t k_ld, float* vt);
 bool pack_kv_bf16_avx512(const bf16_t* k, int64_t k_stride, const bf16_t* v, int64_t v_stride, int cols,
                          int D, int Dv, bf16_t* kt, bf16_t* vc, const KVCacheLayout& kv, int slot);
 void transpose_words_avx512_call(const void* src, int64_t stride, int rows, int words, uint32_t* dst,
@@ -333,6 +345,11 @@ bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float
     if (use_avx512())
       return load_kv_f32_avx512(k_row<T>(p, b, hk, n0), p.k_row_stride, v_row<T>(p, b, hk, n0),
                                 p.v_row_stride, cols, p.d, p.dv, kt, kv.k_ld(), vc + kv.v_offset(slot, 0));
+  if constexpr (std::is_same_v<T, bf16_t> || std::is_same_v<T, fp16_t>)
+    if (use_avx512())
+      return load_kv_half_f32_avx512(k_row<T>(p, b, hk, n0), p.k_row_stride, v_row<T>(p, b, hk, n0),
+                                     p.v_row_stride, cols, p.d, p.dv, kt, kv.k_ld(),
+                                     vc + kv.v_offset(slot, 0));
 #endif
   constexpr int N = kBlockN;
   const int D = p.d, Dv = p.dv;
@@ -344,6 +361,23 @@ bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float
   float* vt = vc + kv.v_offset(slot, 0);
   for (int c = 0; c < cols; ++c) load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vt[c * Dv]);
   return all_finite(vt, int64_t(cols) * Dv);
+}
+
+void scale_to_fp16(const float* x, float mul, int n, fp16_t* out) {
+#ifdef SA_CPU_AVX512
+  if (use_avx512()) return scale_to_fp16_avx512(x, mul, n, out);
+#endif
+  for (int c = 0; c < n; ++c) out[c] = from_float<fp16_t>(x[c] * mul);
+}
+
+// load_row without a multiplier, vectorised for 16-bit inputs on AVX-512 CPUs.
+template <typename T>
+void widen_row(const T* src, int n, float* dst) {
+#ifdef SA_CPU_AVX512
+  if constexpr (std::is_same_v<T, bf16_t> || std::is_same_v<T, fp16_t>)
+    if (use_avx512()) return widen_row_avx512(src, n, dst);
+#endif
+  load_row(src, n, dst);
 }
 
 // The same for the bf16 products, written straight into their operand layout (TileGemm::bf16):
@@ -512,9 +546,36 @@ SA_AVX512_BF16 __attribute__((always_inline)) inline __m512 exp2_nonpositive16(_
   return _mm512_scalef_ps(poly, x);
 }
 
+// 16 bf16 (or fp16) values widened to the fp32 words they are.
+template <typename T>
+SA_AVX512F __attribute__((always_inline)) inline __m512i widen16(__m256i h) {
+  if constexpr (std::is_same_v<T, bf16_t>)
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+  else
+    return _mm512_castps_si512(_mm512_cvtph_ps(h));
+}
+
+// Words i0 .. i0 + 15 of a row as 16 lanes (those past `words` zero): 32-bit words read as they
+// are (T = uint32_t), or 16-bit values (bf16_t, fp16_t) widened to the fp32 words they are.
+template <typename T>
+SA_AVX512F __attribute__((always_inline)) inline __m512i load_words16(const char* row, int i0, int words,
+                                                                      __mmask16 wm) {
+  if constexpr (std::is_same_v<T, uint32_t>) {
+    return _mm512_maskz_loadu_epi32(wm, row + 4 * i0);
+  } else {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(row) + i0;
+    if (words - i0 >= 16) return widen16<T>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    alignas(32) uint16_t tail[16] = {};
+    for (int i = 0; i < words - i0; ++i) tail[i] = src[i];
+    return widen16<T>(_mm256_load_si256(reinterpret_cast<const __m256i*>(tail)));
+  }
+}
+
 // dst[i * ld + c] = word i of src row c (row c at src + c * stride bytes) for i < words, c <
 // kBlockN (rows c >= rows read as zeros): a key tile's 32-bit words transposed (fp32 features, or bf16
-// feature pairs), 16 x 16 at a time (unpacks of 32- and 64-bit elements, then 128-bit lane shuffles).
+// feature pairs; T = bf16_t or fp16_t: 16-bit features, each widened to its fp32 word), 16 x 16 at a
+// time (unpacks of 32- and 64-bit elements, then 128-bit lane shuffles).
+template <typename T = uint32_t>
 SA_AVX512F __attribute__((always_inline)) inline void transpose_words_avx512(const void* src, int64_t stride,
                                                                              int rows, int words,
                                                                              uint32_t* dst, int64_t ld) {
@@ -525,7 +586,7 @@ SA_AVX512F __attribute__((always_inline)) inline void transpose_words_avx512(con
       __m512i r[16], t[16];
       for (int c = 0; c < 16; ++c)
         r[c] = c0 + c < rows
-                   ? _mm512_maskz_loadu_epi32(wm, static_cast<const char*>(src) + (c0 + c) * stride + 4 * i0)
+                   ? load_words16<T>(static_cast<const char*>(src) + (c0 + c) * stride, i0, words, wm)
                    : _mm512_setzero_si512();
       for (int c = 0; c < 16; c += 2) {  // 32-bit pairs, then 64-bit, then 128-bit lanes
         t[c] = _mm512_unpacklo_epi32(r[c], r[c + 1]);
@@ -577,6 +638,67 @@ SA_AVX512F bool load_kv_f32_avx512(const float* k, int64_t k_stride, const float
     }
   }
   return bad == 0;
+}
+
+// The same for bf16 or fp16 K and V, widened to the fp32 products' operands (fp16 inputs; bf16 on a
+// CPU without bf16 matrix instructions): K^T by transpose_words_avx512's widening form, V's rows
+// widened 16 at a time (the scalar loops it replaces were 16 % of a bf16 call at L = 256, D = 128).
+template <typename T>
+SA_AVX512F __attribute__((always_inline)) inline bool load_kv_half_f32_body(const T* k, int64_t k_stride,
+                                                                            const T* v, int64_t v_stride,
+                                                                            int cols, int D, int Dv,
+                                                                            float* kt, int64_t k_ld,
+                                                                            float* vt) {
+  transpose_words_avx512<T>(k, 2 * k_stride, cols, D, reinterpret_cast<uint32_t*>(kt), k_ld);
+  const __m512i expo = _mm512_set1_epi32(0x7f800000);
+  __mmask16 bad = 0;
+  int tail_bad = 0;
+  for (int c = 0; c < cols; ++c) {
+    const uint16_t* src = &v[c * v_stride].bits;
+    float* dst = vt + int64_t(c) * Dv;
+    int x = 0;
+    for (; x + 16 <= Dv; x += 16) {
+      const __m512i r = widen16<T>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + x)));
+      bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(r, expo), expo);
+      _mm512_storeu_si512(dst + x, r);
+    }
+    for (; x < Dv; ++x) {
+      dst[x] = to_float(v[c * v_stride + x]);
+      tail_bad |= !std::isfinite(dst[x]);
+    }
+  }
+  return bad == 0 && tail_bad == 0;
+}
+SA_AVX512F bool load_kv_half_f32_avx512(const bf16_t* k, int64_t k_stride, const bf16_t* v, int64_t v_stride,
+                                        int cols, int D, int Dv, float* kt, int64_t k_ld, float* vt) {
+  return load_kv_half_f32_body(k, k_stride, v, v_stride, cols, D, Dv, kt, k_ld, vt);
+}
+SA_AVX512F bool load_kv_half_f32_avx512(const fp16_t* k, int64_t k_stride, const fp16_t* v, int64_t v_stride,
+                                        int cols, int D, int Dv, float* kt, int64_t k_ld, float* vt) {
+  return load_kv_half_f32_body(k, k_stride, v, v_stride, cols, D, Dv, kt, k_ld, vt);
+}
+
+// A row of 16-bit values widened to fp32 (a query row of the fp32 products).
+template <typename T>
+SA_AVX512F __attribute__((always_inline)) inline void widen_row_body(const T* src, int n, float* dst) {
+  int c = 0;
+  for (; c + 16 <= n; c += 16)
+    _mm512_storeu_si512(dst + c, widen16<T>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c))));
+  for (; c < n; ++c) dst[c] = to_float(src[c]);
+}
+SA_AVX512F void widen_row_avx512(const bf16_t* src, int n, float* dst) { widen_row_body(src, n, dst); }
+SA_AVX512F void widen_row_avx512(const fp16_t* src, int n, float* dst) { widen_row_body(src, n, dst); }
+
+// out = x * mul as fp16, rounded to nearest even by the conversion instruction (what from_float
+// computes one value at a time, its subnormals and overflow to inf included).
+SA_AVX512F void scale_to_fp16_avx512(const float* x, float mul, int n, fp16_t* out) {
+  const __m512 m = _mm512_set1_ps(mul);
+  int c = 0;
+  for (; c + 16 <= n; c += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
+                        _mm512_cvtps_ph(_mm512_mul_ps(_mm512_loadu_ps(x + c), m),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; c < n; ++c) out[c] = from_float<fp16_t>(x[c] * mul);
 }
 
 // transpose_words in AVX-512.
@@ -771,7 +893,7 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
         qa = reinterpret_cast<const Op*>(q_row<T>(p, b, h, m0));
         lda = p.q_row_stride;
       } else {
-        for (int r = 0; r < rows; ++r) load_row(q_row<T>(p, b, h, m0 + r), D, &qc[r * D]);
+        for (int r = 0; r < rows; ++r) widen_row(q_row<T>(p, b, h, m0 + r), D, &qc[r * D]);
         qa = qc.data();
         lda = D;
       }
