@@ -310,3 +310,32 @@ def test_fake_kernels_check_like_the_real_ones(case, match):
         OPS.flash_fwd(q, k, v)
     out, lse = OPS.flash_fwd(meta(1, 4, 8, 64), meta(1, 2, 8, 64), meta(1, 2, 8, 64))
     assert out.shape == (1, 4, 8, 64) and lse.shape == (1, 4, 8)
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inputs_without_grad", "inference_mode"])
+def test_calls_that_need_no_gradient_skip_the_autograd_wrapper(grad_mode, monkeypatch):
+    """Where no gradient can be needed the public ops dispatch below autograd (_meta.forward): the
+    Python wrapper of register_autograd (which redispatches the op below itself) does not run, the
+    results equal those of a differentiable call, and a call that needs gradients still gets them."""
+    q, k, v = make_qkv(1, 2, 1, 70, 90, 32, seed=5)
+    redispatched = []
+    original = torch._ops.OpOverload.redispatch
+    monkeypatch.setattr(
+        torch._ops.OpOverload, "redispatch", lambda self, *a, **kw: redispatched.append(1) or original(self, *a, **kw)
+    )
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    want = sparse_attn.flash_attention(qg, kg, vg, causal=True)
+    assert len(redispatched) == 1 and want.requires_grad
+    if grad_mode == "no_grad":
+        with torch.no_grad():
+            got = sparse_attn.flash_attention(qg, kg, vg, causal=True)
+    elif grad_mode == "inference_mode":
+        with torch.inference_mode():
+            got = sparse_attn.flash_attention(q, k, v, causal=True)
+    else:
+        got = sparse_attn.flash_attention(q, k, v, causal=True)
+    assert len(redispatched) == 1, "the autograd wrapper ran for a call that needs no gradient"
+    assert not got.requires_grad
+    assert torch.equal(got, want.detach())
+    want.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
