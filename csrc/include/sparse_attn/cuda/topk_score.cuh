@@ -65,8 +65,11 @@ __device__ __forceinline__ void load_rows(uint32_t smem, RowPtr row_ptr, const E
   }
 }
 
-template <ScalarKind kDtype, int kDim, int kMode>
-__global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? 4 : 1)
+// kHeadPairs (lightning indexer, two or more heads): the wgmma path keeps two heads' products in
+// registers, so it takes 3 CTAs per SM, not 4 (an indexer's shared memory holds it to 3 anyway at
+// 4 heads).
+template <ScalarKind kDtype, int kDim, int kMode, bool kHeadPairs>
+__global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 4) : 1)
     topk_score_kernel(__grid_constant__ const TopkSelectParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Element = typename ElementOf<kDtype>::type;
@@ -273,27 +276,44 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? 4 : 1)
 
     if constexpr (kWgmma) {
       // One warpgroup: S_j = Q_j K^T (64 x 64: 4 wgmmas of K = 16 from the swizzled tiles) per
-      // head j, folded into acc (relu, weight) once it lands; the SM's other CTAs fill the wait.
-      float sj[32], acc[32];
-      for (int j = 0; j < heads; ++j) {
+      // head j, folded into acc (relu, weight) once it lands; with kHeadPairs two heads at a
+      // time, head j + 1's products running under head j's fold (nothing in flight across the
+      // loop's back edge, which would make ptxas serialise them). The SM's other CTAs fill the
+      // waits.
+      float sj[32], sb[32], acc[32];
+      auto issue = [&](float (&r)[32], int j) {
         wgmma_fence();
         static_for<kKSteps>([&](auto kk_) {
           constexpr int kk = decltype(kk_)::value;
           const uint64_t da = sw128_desc(sQ + j * L::kTileBytes + kk * 32, 16, 1024);
           const uint64_t db = sw128_desc(sK + stage * L::kKBytes + kk * 32, 16, 1024);
-          Wgmma<kDtype, 64>::ss(sj, da, db, kk > 0 ? 1 : 0);
+          Wgmma<kDtype, 64>::ss(r, da, db, kk > 0 ? 1 : 0);
         });
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(sj);
+      };
+      auto fold = [&](float (&r)[32], int j) {
+        fence_regs(r);
         if (!p.indexer) {
 #pragma unroll
-          for (int x = 0; x < 32; ++x) acc[x] = sj[x];
+          for (int x = 0; x < 32; ++x) acc[x] = r[x];
         } else {
           const float w0 = sW[row_lo * heads + j], w1 = sW[(row_lo + 8) * heads + j];
 #pragma unroll
           for (int x = 0; x < 32; ++x)
-            acc[x] = fmaf(x % 4 < 2 ? w0 : w1, fmaxf(sj[x], 0.f), j == 0 ? 0.f : acc[x]);
+            acc[x] = fmaf(x % 4 < 2 ? w0 : w1, fmaxf(r[x], 0.f), j == 0 ? 0.f : acc[x]);
+        }
+      };
+      for (int j = 0; j < heads; j += kHeadPairs ? 2 : 1) {
+        issue(sj, j);
+        if (kHeadPairs && j + 1 < heads) {
+          issue(sb, j + 1);
+          wgmma_wait<1>();
+          fold(sj, j);
+          wgmma_wait<0>();
+          fold(sb, j + 1);
+        } else {
+          wgmma_wait<0>();
+          fold(sj, j);
         }
       }
 #pragma unroll
@@ -390,10 +410,13 @@ cudaError_t run_topk_score_(const TopkSelectParams& params, int64_t tiles, cudaS
   };
   auto by_dim = [&](auto mode) {
     constexpr int kMode = decltype(mode)::value;
-    if (topk_score_dim(params) <= 64)
-      return launch(cuda::topk_score_kernel<kDtype, 64, kMode>,
+    if (topk_score_dim(params) <= 64 && heads >= 2)
+      return launch(cuda::topk_score_kernel<kDtype, 64, kMode, true>,
                     cuda::ScoreLayout<64>::smem_bytes(heads, kMode == 2));
-    return launch(cuda::topk_score_kernel<kDtype, 128, kMode>,
+    if (topk_score_dim(params) <= 64)
+      return launch(cuda::topk_score_kernel<kDtype, 64, kMode, false>,
+                    cuda::ScoreLayout<64>::smem_bytes(heads, kMode == 2));
+    return launch(cuda::topk_score_kernel<kDtype, 128, kMode, false>,
                   cuda::ScoreLayout<128>::smem_bytes(heads, kMode == 2));
   };
   if (params.score_mode == 1) return by_dim(std::integral_constant<int, 1>{});
