@@ -106,7 +106,7 @@ def files() -> dict[str, str]:
     for dname, dtype in DTYPES.items():
         out[f"gather_bwd_{dname}.cu"] = HEADER + '#include "sparse_attn/cuda/gather_bwd.cuh"\n\n' + "".join(
             f"template cudaError_t sparse_attn::run_gather_bwd_mma_<sparse_attn::ScalarKind::{dtype}, {hd}>(\n"
-            "    const sparse_attn::AttnBwdParams&, int, cudaStream_t);\n"
+            "    const sparse_attn::AttnBwdParams&, int, bool, cudaStream_t);\n"
             for hd in BWD_HEAD_DIMS
         )
     for dname, dtype in DENSE_DTYPES.items():

@@ -260,18 +260,34 @@ def test_schedules_and_tile_overrides():
             pass
 
 
-@pytest.mark.parametrize("h,hkv,heads_per_warp", [(16, 1, 16), (32, 1, 16), (8, 2, 4), (6, 6, 1), (12, 4, 3)])
-def test_gather_heads_per_warp(h, hkv, heads_per_warp):
+@pytest.mark.parametrize(
+    "h,hkv,heads_per_warp,shared",
+    [
+        (16, 1, 16, 0),
+        (32, 1, 16, 0),
+        (8, 2, 4, 0),
+        (6, 6, 1, 0),
+        (12, 4, 3, 0),
+        (64, 1, 16, 1),
+        (128, 2, 16, 1),
+        (96, 3, 16, 0),
+    ],
+)
+def test_gather_heads_per_warp(h, hkv, heads_per_warp, shared):
+    """Heads per warp: the run sharing a kv head and the index set, cut to <= 16; a CTA's four warps
+    share K/V stages where the run holds whole blocks of four groups (sm80: sm90 sends runs of 64 to
+    the wgmma gather)."""
     q, k, v = make_qkv(1, h, hkv, 256, 256, 128)
     iq, ik, iw = torch.randn(1, 256, 2, 32), torch.randn(1, 256, 32), torch.randn(1, 256, 2)
     with overrides(topk_attention_route="gather"):
-        plan = sparse_attn.explain(
-            sparse_attn.topk_attention, q, k, v, 16, index_query=iq, index_key=ik, index_weights=iw, target="sm90"
-        )
+        extra = {"index_query": iq, "index_key": ik, "index_weights": iw}
+        plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 16, **extra, target="sm80")
         gather = plan.launches[1]
         assert gather.core == "portable" and gather.options["heads_per_warp"] == heads_per_warp
+        assert gather.options["shared_stages"] == shared
         plan = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 16, target="sm90")  # per-head selection
         assert plan.launches[1].options["heads_per_warp"] == 1
+        assert plan.launches[1].options["shared_stages"] == 0
 
 
 @pytest.mark.parametrize(

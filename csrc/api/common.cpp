@@ -581,7 +581,9 @@ std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const
   const GatherPlan plan = plan_gather(in.params, device);
   std::ostringstream out;
   out << "core=" << core_name(plan.core);
-  if (plan.core == Core::kPortable) out << "\nhead_dim=" << plan.head_dim << "\nheads_per_warp=" << plan.group;
+  if (plan.core == Core::kPortable)
+    out << "\nhead_dim=" << plan.head_dim << "\nheads_per_warp=" << plan.group
+        << "\nshared_stages=" << int(plan.shared_stages);
   if (plan.core == Core::kHopper)
     out << "\nhead_dim=" << plan.head_dim << "\nheads_per_cta=" << kGatherWgmmaHeads;
   out << "\nwhy_core=" << plan.why;

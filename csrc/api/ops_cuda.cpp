@@ -442,9 +442,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
       check_launch(SA_HALF_DTYPE_SWITCH(bp.fwd.dtype, kDtype,
                                         [&] {
                                           return plan.head_dim == 64
-                                                     ? run_gather_bwd_mma_<kDtype, 64>(bp, plan.group, stream)
-                                                     : run_gather_bwd_mma_<kDtype, 128>(bp, plan.group,
-                                                                                        stream);
+                                                     ? run_gather_bwd_mma_<kDtype, 64>(
+                                                           bp, plan.group, plan.shared_stages, stream)
+                                                     : run_gather_bwd_mma_<kDtype, 128>(
+                                                           bp, plan.group, plan.shared_stages, stream);
                                         }),
                    what);
     } else {

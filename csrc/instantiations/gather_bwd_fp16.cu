@@ -2,6 +2,6 @@
 #include "sparse_attn/cuda/gather_bwd.cuh"
 
 template cudaError_t sparse_attn::run_gather_bwd_mma_<sparse_attn::ScalarKind::kFloat16, 64>(
-    const sparse_attn::AttnBwdParams&, int, cudaStream_t);
+    const sparse_attn::AttnBwdParams&, int, bool, cudaStream_t);
 template cudaError_t sparse_attn::run_gather_bwd_mma_<sparse_attn::ScalarKind::kFloat16, 128>(
-    const sparse_attn::AttnBwdParams&, int, cudaStream_t);
+    const sparse_attn::AttnBwdParams&, int, bool, cudaStream_t);

@@ -4,6 +4,7 @@
 #include "sparse_attn/plan.h"
 
 #include <algorithm>
+#include <numeric>
 
 namespace sparse_attn {
 namespace {
@@ -195,15 +196,10 @@ GatherPlan plan_gather(const AttnFwdParams& p, const DeviceInfo& dev) {
   plan.head_dim = p.d <= 64 ? 64 : 128;
   // Heads per warp: the longest aligned run of heads sharing a kv head and an index set
   // (gcd(H / Hkv, H / Hi)), cut to its largest divisor <= 16.
-  int run = p.h_per_kv, c = p.h_per_idx;
-  while (c != 0) {
-    const int r = run % c;
-    run = c;
-    c = r;
-  }
-  run = std::max(run, 1);
+  const int run = std::max(std::gcd(p.h_per_kv, p.h_per_idx), 1);
   plan.group = std::min(run, kGatherMmaRows);
   while (run % plan.group != 0) --plan.group;
+  plan.shared_stages = run % (kGatherMmaWarps * plan.group) == 0;
   plan.why = "tensor cores: each selected K/V row is loaded once for the query heads that share it";
   // Runs of 64 heads (DeepSeek-style sparse attention: one kv head, one index set): the wgmma
   // gather, a token's 64 heads the M = 64 rows of every product.

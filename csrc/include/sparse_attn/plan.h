@@ -94,6 +94,8 @@ inline int topk_score_dim(const TopkSelectParams& p) { return (p.indexer ? p.di 
 
 // Heads per warp of the tensor-core gather (one m16 tile).
 constexpr int kGatherMmaRows = 16;
+// Warps per CTA of the tensor-core gather (one group of heads each).
+constexpr int kGatherMmaWarps = 4;
 // Heads per CTA of the Hopper gather (gather_wgmma.cuh: the M = 64 rows of its wgmma tiles).
 constexpr int kGatherWgmmaHeads = 64;
 
@@ -169,6 +171,10 @@ struct GatherPlan {
   // mma.sync gather: query heads per warp (rows of its m16 tile). Also set for kHopper: the
   // backward (gather_bwd.cuh) runs the mma.sync layout.
   int group = 1;
+  // mma.sync gathers: four consecutive groups read one kv head and one index set (the run of heads
+  // sharing both, gcd(H / Hkv, H / Hi), holds a whole number of four-group blocks), so a CTA's four
+  // warps are those groups of one token and share its K/V stages.
+  bool shared_stages = false;
   const char* why = "";
 };
 

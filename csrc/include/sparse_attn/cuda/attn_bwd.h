@@ -60,7 +60,7 @@ cudaError_t run_attn_bwd_dq_(const AttnBwdParams& params, cudaStream_t stream);
 
 // Top-k's tensor-core backward (gather_bwd.cuh), the forward's heads per warp (plan_gather's group).
 template <ScalarKind kDtype, int kHeadDim>
-cudaError_t run_gather_bwd_mma_(const AttnBwdParams& params, int group, cudaStream_t stream);
+cudaError_t run_gather_bwd_mma_(const AttnBwdParams& params, int group, bool shared, cudaStream_t stream);
 
 // CUDA-core backward: any dtype and head dims; kGather: top-k (params.fwd.indices).
 template <ScalarKind kDtype, Variant kVariant, bool kGather>

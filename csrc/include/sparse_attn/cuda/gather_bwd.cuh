@@ -65,19 +65,9 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4, r8 = lane % 8;
-  const int groups = p.h / group;
-  int i, hg, b;
-  if constexpr (kShared) {  // CTA over (B, groups / 4, Lq); warp = the group within the four
-    const int64_t task = blockIdx.x, quads = groups / kGatherMmaWarps;
-    i = int(task % p.lq);
-    hg = int((task / p.lq) % quads) * kGatherMmaWarps + warp;
-    b = int(task / (int64_t(p.lq) * quads));
-  } else {
-    const int64_t task = int64_t(blockIdx.x) * kGatherMmaWarps + warp;  // over (B, groups, Lq)
-    if (task >= int64_t(p.b) * groups * p.lq) return;
-    i = int(task % p.lq), hg = int((task / p.lq) % groups), b = int(task / (int64_t(p.lq) * groups));
-  }
-  const int h0 = hg * group, hk = h0 / p.h_per_kv;
+  int i, h0, b;
+  if (!gather_task<kShared, kGatherMmaWarps>(p, group, warp, i, h0, b)) return;
+  const int hk = h0 / p.h_per_kv;
 
   // kShared: the warps' Q tiles are the 16-row slices of one 64-row tile (likewise dO), so that
   // dK = dS^T Q runs over all 64 heads; P^T and dS^T rows hold the 64 heads, this warp's at
@@ -97,14 +87,9 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
                           : reinterpret_cast<float*>(pDs + L::kPBytes);
   const int p_col = kShared ? warp * kGatherMmaRows : 0;  // this warp's heads in a P^T row
 
-  const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
-                       int64_t(i) * p.idx_row_stride;
-  const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride +
-                     int64_t(i) * p.q_row_stride;
+  const auto [idx, q, k, v] = gather_rows<Element>(p, b, h0, hk, i);
   const Element* dout = static_cast<const Element*>(bp.dout) + b * bp.do_batch_stride +
                         h0 * bp.do_head_stride + int64_t(i) * bp.do_row_stride;
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
   float* dk_acc = bp.dk_accum + (int64_t(b) * p.h_kv + hk) * p.lk * p.d;
   float* dv_acc = bp.dv_accum + (int64_t(b) * p.h_kv + hk) * p.lk * p.dv;
 
@@ -339,24 +324,17 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
 namespace sparse_attn {
 
 template <ScalarKind kDtype, int kHeadDim>
-cudaError_t run_gather_bwd_mma_(const AttnBwdParams& params, int group, cudaStream_t stream) {
+cudaError_t run_gather_bwd_mma_(const AttnBwdParams& params, int group, bool shared, cudaStream_t stream) {
   const AttnFwdParams& p = params.fwd;
   const int64_t tasks = int64_t(p.b) * (p.h / group) * p.lq;
-  const int64_t blocks = (tasks + cuda::kGatherMmaWarps - 1) / cuda::kGatherMmaWarps;  // exact when shared
+  const int64_t blocks = (tasks + kGatherMmaWarps - 1) / kGatherMmaWarps;  // exact when shared
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT_MAX) return cudaErrorInvalidConfiguration;
-  // Shared stages where four consecutive groups of 16 read one kv head and one index set (the
-  // forward's rule, run_gather_mma_).
-  int run = p.h_per_kv, c = p.h_per_idx;
-  while (c != 0) {
-    const int r = run % c;
-    run = c;
-    c = r;
-  }
-  const bool shared = group == kGatherMmaRows && run % (cuda::kGatherMmaWarps * group) == 0;
+  // Shared stages (GatherPlan::shared_stages) for groups of 16 heads: P^T and dS^T rows hold 64.
+  shared = shared && group == kGatherMmaRows;
   auto launch = [&](auto kernel, int smem) -> cudaError_t {
     SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<unsigned(blocks), cuda::kGatherMmaWarps * 32, smem, stream>>>(params, group);
+    kernel<<<unsigned(blocks), kGatherMmaWarps * 32, smem, stream>>>(params, group);
     return cudaGetLastError();
   };
   if (shared)

@@ -98,8 +98,8 @@ cudaError_t run_gather_fwd_(const AttnFwdParams& params, const GatherPlan& plan,
       return plan.head_dim == 64 ? cuda::run_gather_wgmma_<kDtype, 64>(params, stream)
                                  : cuda::run_gather_wgmma_<kDtype, 128>(params, stream);
     if (plan.core == Core::kPortable)
-      return plan.head_dim == 64 ? cuda::run_gather_mma_<kDtype, 64>(params, plan.group, stream)
-                                 : cuda::run_gather_mma_<kDtype, 128>(params, plan.group, stream);
+      return plan.head_dim == 64 ? cuda::run_gather_mma_<kDtype, 64>(params, plan.group, plan.shared_stages, stream)
+                                 : cuda::run_gather_mma_<kDtype, 128>(params, plan.group, plan.shared_stages, stream);
   }
   using T = typename cuda::ElementOf<kDtype>::type;
   const int64_t rows = int64_t(params.b) * params.h * params.lq;

@@ -21,13 +21,13 @@
 
 #include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/flash_softmax.cuh"
+#include "sparse_attn/cuda/gather_task.cuh"
 #include "sparse_attn/cuda/ptx.cuh"
 #include "sparse_attn/cuda/smem_tile.cuh"
 #include "sparse_attn/plan.h"
 
 namespace sparse_attn::cuda {
 
-constexpr int kGatherMmaWarps = 4;
 constexpr int kGatherMmaKeys = 32;  // keys per stage (4 n8 tiles of S)
 constexpr int kGatherMmaStages = 2;
 
@@ -56,19 +56,9 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int groups = p.h / group;
-  int i, hg, b;
-  if constexpr (kShared) {  // CTA over (B, groups / 4, Lq); warp = the group within the four
-    const int64_t task = blockIdx.x, quads = groups / kGatherMmaWarps;
-    i = int(task % p.lq);
-    hg = int((task / p.lq) % quads) * kGatherMmaWarps + warp;
-    b = int(task / (int64_t(p.lq) * quads));
-  } else {
-    const int64_t task = int64_t(blockIdx.x) * kGatherMmaWarps + warp;  // over (B, groups, Lq)
-    if (task >= int64_t(p.b) * groups * p.lq) return;
-    i = int(task % p.lq), hg = int((task / p.lq) % groups), b = int(task / (int64_t(p.lq) * groups));
-  }
-  const int h0 = hg * group, hk = h0 / p.h_per_kv;
+  int i, h0, b;
+  if (!gather_task<kShared, kGatherMmaWarps>(p, group, warp, i, h0, b)) return;
+  const int hk = h0 / p.h_per_kv;
 
   const uint32_t sQ = smem_u32(smem) + warp * (kShared ? L::kQBytes : L::kWarpBytes);
   auto sK = [&](int stage) {
@@ -77,12 +67,7 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
   };
   auto sV = [&](int stage) { return sK(stage) + L::kKVBytes; };
 
-  const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
-                       int64_t(i) * p.idx_row_stride;
-  const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride +
-                     int64_t(i) * p.q_row_stride;
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const auto [idx, q, k, v] = gather_rows<Element>(p, b, h0, hk, i);
 
   const int c = lane % kChunks, r0 = lane / kChunks;  // this lane's 16-byte column chunk and first row
   const bool col_ok = c * 8 < p.d;
@@ -234,16 +219,7 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
 }
 
 template <ScalarKind kDtype, int kHeadDim>
-cudaError_t run_gather_mma_(const AttnFwdParams& p, int group, cudaStream_t stream) {
-  // Shared stages where four consecutive groups read one kv head and one index set: the run of
-  // heads sharing both (gcd(H / Hkv, H / Hi)) holds a whole number of four-group blocks.
-  int run = p.h_per_kv, c = p.h_per_idx;
-  while (c != 0) {
-    const int r = run % c;
-    run = c;
-    c = r;
-  }
-  const bool shared = run % (kGatherMmaWarps * group) == 0;
+cudaError_t run_gather_mma_(const AttnFwdParams& p, int group, bool shared, cudaStream_t stream) {
   const int64_t tasks = int64_t(p.b) * (p.h / group) * p.lq;
   const int64_t blocks = (tasks + kGatherMmaWarps - 1) / kGatherMmaWarps;  // exact when shared
   if (blocks == 0) return cudaSuccess;

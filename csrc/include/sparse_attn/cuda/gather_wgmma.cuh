@@ -27,6 +27,7 @@
 #include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/element.cuh"
 #include "sparse_attn/cuda/flash_softmax.cuh"
+#include "sparse_attn/cuda/gather_task.cuh"
 #include "sparse_attn/cuda/ptx.cuh"
 #include "sparse_attn/cuda/ptx_sm90.cuh"
 #include "sparse_attn/cuda/smem_tile.cuh"
@@ -83,12 +84,7 @@ __global__ void __launch_bounds__(128, 2) gather_wgmma_kernel(__grid_constant__ 
   auto sV = [&](int buf) { return sK(buf) + L::kTileBytes; };
   uint32_t* s_valid = reinterpret_cast<uint32_t*>(smem_gw + L::kValidOffset);
 
-  const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
-                       int64_t(i) * p.idx_row_stride;
-  const Element* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h0 * p.q_head_stride +
-                     int64_t(i) * p.q_row_stride;
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const auto [idx, q, k, v] = gather_rows<Element>(p, b, h0, hk, i);
 
   // This thread copies 16-byte chunk c of rows r0, r0 + kRowsPerPass, ... of every tile: at
   // byte offsets dst0 + s * kRowsPerPass * 128 (kRowsPerPass is a multiple of 8, so every row of
