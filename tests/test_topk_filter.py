@@ -120,6 +120,25 @@ def test_a_misleading_sample_goes_to_the_fallback():
     _check(_select(inputs, k, False, select_filter_stride=2), inputs, k, False)
 
 
+def test_kth_key_far_above_the_threshold():
+    """The k-th largest score far above the row's threshold (k + 16 keys score ~2^20, the rest
+    0-60, so the sample puts the threshold near 50): the candidates hold hundreds of low keys
+    under the ones selected."""
+    b, lq, lk, k = 1, 64, 4096, 64
+    g = torch.Generator().manual_seed(3)
+    q = torch.zeros(b, 1, lq, 64, dtype=torch.float16)
+    q[..., 0] = 1.0
+    q[..., 1] = 1024.0
+    key = torch.zeros(b, 1, lk, 64, dtype=torch.float16)
+    key[0, 0, :, 0] = torch.randint(0, 61, (lk,), generator=g).to(torch.float16)
+    big = torch.randperm(lk, generator=g)[: k + 16]
+    key[0, 0, big, 0] = 2048.0 + torch.arange(k + 16, dtype=torch.float16) * 8
+    key[0, 0, big, 1] = 1024.0
+    inputs = (q.cuda(), key.cuda())
+    for stride in (1, 4):
+        _check(_select(inputs, k, False, select_filter_stride=stride), inputs, k, False)
+
+
 def test_nan_scores_filtered_like_unfiltered():
     """NaN scores (exact mode: a NaN key) rank above every number: they always pass the threshold."""
     q, k = _exact(1, 2, 1, 128, 3000, seed=11)

@@ -166,17 +166,27 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
         sQ, [&](int r) -> const Element* { return r < rows ? q + r * p.q_row_stride : nullptr; }, q, d_valid,
         tid);
   }
+  // K tile rows: this thread's 16-byte chunk kc of rows kr0, kr0 + kKRowStep, ... of the tile,
+  // its pointers stepped from one per-thread base (one 64-bit multiply per tile, not per row).
+  constexpr int kKRowStep = kScoreThreads / kChunks;
+  const int kc = tid % kChunks, kr0 = tid / kChunks;
+  const bool k_col_ok = kc * 8 < d_valid;
+  const Element* const k_thread = kbase + int64_t(kr0) * k_row_stride + kc * 8;
+  const int64_t k_step = int64_t(kKRowStep) * k_row_stride;
   auto load_k = [&](int stage, int it) {
     const int n0 = (it * stride + stride - 1) * kBN;
-    load_rows<kDim, kBN>(
-        sK + stage * L::kKBytes,
-        [&](int r) -> const Element* {
-          return n0 + r < p.lk ? kbase + int64_t(n0 + r) * k_row_stride : nullptr;
-        },
-        kbase, d_valid, tid);
+    const Element* src = k_thread + int64_t(n0) * k_row_stride;
+    const uint32_t dst = sK + stage * L::kKBytes;
+#pragma unroll
+    for (int x = 0; x < kBN / kKRowStep; ++x) {
+      const int r = kr0 + x * kKRowStep;
+      const bool ok = k_col_ok && n0 + r < p.lk;
+      cp_async_16(dst + swz<kChunks>(r, kc), ok ? src + x * k_step : kbase, ok ? 16 : 0);
+    }
   };
   load_k(0, tile_of(0));
   cp_async_commit();
+  const uint64_t desc_q0 = sw128_desc(sQ, 16, 1024), desc_k0 = sw128_desc(sK, 16, 1024);
 
   const int r8 = lane % 8;
   const uint32_t q_base = sQ + swz<kChunks>(warp * 16 + ((lane / 8) % 2) * 8 + r8, lane / 16);
@@ -280,14 +290,18 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
       // time, head j + 1's products running under head j's fold (nothing in flight across the
       // loop's back edge, which would make ptxas serialise them). The SM's other CTAs fill the
       // waits.
+      // (Descriptors stepped by adding offsets >> 4: shared addresses stay below 2^18, so the
+      // 14-bit address field never carries. acc starts at +0, as the first head's fma did.)
       float sj[32], sb[32], acc[32];
+#pragma unroll
+      for (int x = 0; x < 32; ++x) acc[x] = 0.f;
+      const uint64_t desc_k = desc_k0 + ((stage * L::kKBytes) >> 4);
       auto issue = [&](float (&r)[32], int j) {
+        const uint64_t desc_q = desc_q0 + ((j * L::kTileBytes) >> 4);
         wgmma_fence();
         static_for<kKSteps>([&](auto kk_) {
           constexpr int kk = decltype(kk_)::value;
-          const uint64_t da = sw128_desc(sQ + j * L::kTileBytes + kk * 32, 16, 1024);
-          const uint64_t db = sw128_desc(sK + stage * L::kKBytes + kk * 32, 16, 1024);
-          Wgmma<kDtype, 64>::ss(r, da, db, kk > 0 ? 1 : 0);
+          Wgmma<kDtype, 64>::ss(r, desc_q + (kk * 32 >> 4), desc_k + (kk * 32 >> 4), kk > 0 ? 1 : 0);
         });
         wgmma_commit();
       };
@@ -299,8 +313,7 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
         } else {
           const float w0 = sW[row_lo * heads + j], w1 = sW[(row_lo + 8) * heads + j];
 #pragma unroll
-          for (int x = 0; x < 32; ++x)
-            acc[x] = fmaf(x % 4 < 2 ? w0 : w1, fmaxf(r[x], 0.f), j == 0 ? 0.f : acc[x]);
+          for (int x = 0; x < 32; ++x) acc[x] = fmaf(x % 4 < 2 ? w0 : w1, fmaxf(r[x], 0.f), acc[x]);
         }
       };
       for (int j = 0; j < heads; j += kHeadPairs ? 2 : 1) {
