@@ -196,11 +196,11 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
   // The filter's per-row state: the keys a row sees, its threshold as a float (a score is taken
   // unless it is below: NaN always; the threshold "every key" is a NaN), this thread's slice of
   // its candidates and how many it took.
-  // (Few registers: the 64-dim kernel is at its 128.) Row row_lo + 8 sees min(nv0 + 8, Lk) keys
-  // when causal; the padding rows of a ragged tile are never read. A row's candidates are staged
-  // in shared memory (kStage of them) and written to this CTA's slice of the row's candidates by
-  // the row's quad, 32 contiguous bytes per row and store instruction; `staged` and `flushed`
-  // (the same in the quad's 4 lanes) count them.
+  // (Few registers: the 64-dim kernels are at their launch bounds.) Row row_lo + 8 sees
+  // min(nv0 + 8, Lk) keys when causal; the padding rows of a ragged tile are never read. A row's
+  // candidates are staged in shared memory (kStage of them) and written to this CTA's slice of
+  // the row's candidates by the row's quad, 32 contiguous bytes per row and store instruction;
+  // `staged` and `flushed` (the same in the quad's 4 lanes) count them.
   int nv0 = p.lk, staged[2] = {0, 0}, flushed[2] = {0, 0};
   float row_min[2] = {0.f, 0.f};
   uint2* const stage_buf =
