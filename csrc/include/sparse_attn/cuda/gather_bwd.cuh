@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32, 2)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4, r8 = lane % 8;
   int i, h0, b;
-  if (!gather_task<kShared, kGatherMmaWarps>(p, group, warp, i, h0, b)) return;
+  if (!gather_task<kShared>(p, group, warp, i, h0, b)) return;
   const int hk = h0 / p.h_per_kv;
 
   // kShared: the warps' Q tiles are the 16-row slices of one 64-row tile (likewise dO), so that

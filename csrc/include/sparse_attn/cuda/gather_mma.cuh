@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kGatherMmaWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   int i, h0, b;
-  if (!gather_task<kShared, kGatherMmaWarps>(p, group, warp, i, h0, b)) return;
+  if (!gather_task<kShared>(p, group, warp, i, h0, b)) return;
   const int hk = h0 / p.h_per_kv;
 
   const uint32_t sQ = smem_u32(smem) + warp * (kShared ? L::kQBytes : L::kWarpBytes);

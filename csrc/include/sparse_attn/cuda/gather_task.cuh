@@ -5,24 +5,26 @@
 #include <cstdint>
 
 #include "sparse_attn/params.h"
+#include "sparse_attn/plan.h"
 
 namespace sparse_attn::cuda {
 
-// The task of a warp of a four-warp CTA: query token i of batch b, heads h0 .. h0 + group - 1.
-// kShared: the CTA runs (B, groups / 4, Lq), its four warps the four consecutive groups of one
-// token; otherwise each warp runs one of (B, groups, Lq), false for a warp past the last.
-template <bool kShared, int kWarps>
+// The task of a warp of the mma.sync gathers' CTAs (kGatherMmaWarps warps): query token i of
+// batch b, heads h0 .. h0 + group - 1. kShared: the CTA runs (B, groups / 4, Lq), its four warps
+// the four consecutive groups of one token; otherwise each warp runs one of (B, groups, Lq),
+// false for a warp past the last.
+template <bool kShared>
 __device__ __forceinline__ bool gather_task(const AttnFwdParams& p, int group, int warp, int& i, int& h0,
                                             int& b) {
   const int groups = p.h / group;
   int hg;
   if constexpr (kShared) {
-    const int64_t task = blockIdx.x, quads = groups / kWarps;
+    const int64_t task = blockIdx.x, quads = groups / kGatherMmaWarps;
     i = int(task % p.lq);
-    hg = int((task / p.lq) % quads) * kWarps + warp;
+    hg = int((task / p.lq) % quads) * kGatherMmaWarps + warp;
     b = int(task / (int64_t(p.lq) * quads));
   } else {
-    const int64_t task = int64_t(blockIdx.x) * kWarps + warp;
+    const int64_t task = int64_t(blockIdx.x) * kGatherMmaWarps + warp;
     if (task >= int64_t(p.b) * groups * p.lq) return false;
     i = int(task % p.lq), hg = int((task / p.lq) % groups), b = int(task / (int64_t(p.lq) * groups));
   }
