@@ -84,6 +84,21 @@ __device__ __forceinline__ void hist_add(unsigned* hist, unsigned bin, bool acti
   }
 }
 
+// hist_add for a round where most active lanes share one bin (the top bits of keys that mostly
+// agree there): the first active lane's bin gets one add for every lane that shares it, each
+// other active lane adds its own (no match instruction).
+__device__ __forceinline__ void hist_add_major(unsigned* hist, unsigned bin, bool active) {
+  const unsigned lanes = __ballot_sync(0xffffffffu, active);
+  if (lanes == 0u) return;
+  const int leader = __ffs(lanes) - 1;
+  const unsigned major = __shfl_sync(0xffffffffu, bin, leader);
+  const unsigned same = __ballot_sync(0xffffffffu, active && bin == major);
+  if (lane_id() == leader)
+    atomicAdd(&hist[major], unsigned(__popc(same)));
+  else if (active && bin != major)
+    atomicAdd(&hist[bin], 1u);
+}
+
 // A warp: walking the nbins bins (a multiple of 32) from the top, the bin where the running count
 // reaches `need` (at most the histogram's total); `need` becomes the count still to take inside it.
 __device__ __forceinline__ uint32_t warp_find_bin(const unsigned* hist, int nbins, int& need) {
