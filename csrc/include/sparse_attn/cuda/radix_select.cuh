@@ -99,6 +99,21 @@ __device__ __forceinline__ void hist_add_major(unsigned* hist, unsigned bin, boo
     atomicAdd(&hist[bin], 1u);
 }
 
+// A key's add to a radix round's histogram of 256 digits (u >> shift) & 255, warp-wide: the top
+// round (shift 24) through hist_add, or hist_add_major where one digit is most lanes' (kMajor); the
+// later rounds, whose digits spread, by plain adds (they rarely collide, and skip the match).
+template <bool kMajor>
+__device__ __forceinline__ void radix_hist_add(unsigned* hist, uint32_t u, int shift, bool active) {
+  if (shift == 24) {
+    if constexpr (kMajor)
+      hist_add_major(hist, u >> 24, active);
+    else
+      hist_add(hist, u >> 24, active);
+  } else if (active) {
+    atomicAdd(&hist[(u >> shift) & 255u], 1u);
+  }
+}
+
 // A warp: walking the nbins bins (a multiple of 32) from the top, the bin where the running count
 // reaches `need` (at most the histogram's total); `need` becomes the count still to take inside it.
 __device__ __forceinline__ uint32_t warp_find_bin(const unsigned* hist, int nbins, int& need) {

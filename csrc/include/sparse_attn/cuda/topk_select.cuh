@@ -175,11 +175,8 @@ __global__ void __launch_bounds__(kThresholdWarps * 32)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const uint32_t u = order_key(f[e]);
-          const bool active = j + e < nv && (u & known) == prefix;
-          if (shift == 24)  // the scores' top bits: a few values, one of them most
-            hist_add_major(hist, u >> 24, active);
-          else if (active)
-            atomicAdd(&hist[(u >> shift) & 255u], 1u);
+          // (The sample's top bits: a few values, one of them most.)
+          radix_hist_add<true>(hist, u, shift, j + e < nv && (u & known) == prefix);
         }
       }
     }
@@ -272,14 +269,9 @@ __global__ void __launch_bounds__(kSelectThreads)
     for (int c0 = warp * 32; c0 < count; c0 += kSelectThreads) {
       const int c = c0 + lane;
       const uint32_t u = c < count ? keys[c] : 0u;
-      const bool active = c < count && (u & known) == threshold;
-      // The first round's digits are the candidates' top bits, which most of them share: one add
-      // per digit and warp (hist_add; measured faster here than hist_add_major); the later
-      // rounds' digits spread, so plain adds collide rarely and skip hist_add's match.
-      if (shift == 24)
-        hist_add(sm.hist, u >> 24, active);
-      else if (active)
-        atomicAdd(&sm.hist[(u >> shift) & 255u], 1u);
+      // (The candidates' top bits, which nearly all share: hist_add measured faster here than
+      // hist_add_major.)
+      radix_hist_add<false>(sm.hist, u, shift, c < count && (u & known) == threshold);
     }
     __syncthreads();
     if (warp == 0) find_bin(sm.hist, 256, need, sm);
