@@ -297,9 +297,12 @@ __device__ inline void radix_select_binned(const float* s, int nv, int kk, int32
   if (tid < kSelectWarps) sm.seg_gt[tid] = sm.seg_eq[tid] = 0;
   if (tid == 0) sm.n_cand = 0;
   __syncthreads();
+  // (Plain adds: a row's scores spread over the bins, and hist_add's match cost more than the
+  // collisions it saves.)
   for_segment(s, begin, end, [&](int, const uint32_t (&u)[4], const bool (&ok)[4]) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) hist_add(sm.hist, u[e] >> (32 - kSelectBits), ok[e]);
+    for (int e = 0; e < 4; ++e)
+      if (ok[e]) atomicAdd(&sm.hist[u[e] >> (32 - kSelectBits)], 1u);
   });
   __syncthreads();
   if (warp == 0) find_bin(sm.hist, kSelectBins, kk, sm);
