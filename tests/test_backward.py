@@ -4,6 +4,7 @@ autograd of the reference under the same mask, with the tolerance rule applied t
 gradient is honoured; the CPU backward is bit-identical run to run (the CUDA one says it is not
 under torch.use_deterministic_algorithms); compiled training steps equal eager ones."""
 
+import itertools
 import random
 
 import pytest
@@ -386,8 +387,9 @@ def test_cuda_causal_backward_over_head_groups_and_long_walks(portable):
 
 def test_ordered_backward_walks_visit_each_tile_once_in_key_order():
     """The deterministic mode's walks (OrderedWindowQTiles over the Hopper backward's 64-row query
-    tiles and 128-key tiles, run on the host by a private op) against the band itself: key tile n
-    visits exactly the (head, query tile)s whose 64 x 128 rectangle holds a visible pair, each once;
+    tiles, 128-row ones at head dim 64, and 128-key tiles, run on the host by a private op) against
+    the band itself: key tile n visits exactly the (head, query tile)s whose block_m x 128 rectangle
+    holds a visible pair, each once;
     at each, the visitors' ranks are 0, 1, ... in ascending key order (the counter reaches every
     rank: no CTA waits out its timeout), and key tile n - 1 gets there no later in its walk than n
     (a CTA waits only for one started before it). Causal, bands, one-sided bounds, Lq != Lk, GQA."""
@@ -397,13 +399,13 @@ def test_ordered_backward_walks_visit_each_tile_once_in_key_order():
     for _ in range(40):
         left, right = rng.choice([-1, 0, rng.randrange(1, 600)]), rng.choice([-1, 0, rng.randrange(1, 600)])
         cases.append((rng.randrange(1, 900), rng.randrange(1, 900), left, right, rng.randrange(1, 4)))
-    for lq, lk, left, right, heads in cases:
-        walks = torch.ops.sparse_attn._ordered_bwd_walk(lq, lk, left, right, heads)
+    for (lq, lk, left, right, heads), bm in itertools.product(cases, (64, 128)):
+        walks = torch.ops.sparse_attn._ordered_bwd_walk(lq, lk, left, right, heads, bm)
         window = (None if left < 0 else left, None if right < 0 else right)
-        nq, nk = -(-lq // 64), -(-lk // 128)
-        visible = torch.zeros(nq * 64, nk * 128, dtype=torch.bool)
+        nq, nk = -(-lq // bm), -(-lk // 128)
+        visible = torch.zeros(nq * bm, nk * 128, dtype=torch.bool)
         visible[:lq, :lk] = band_mask(lq, lk, window=window)
-        rect = visible.view(nq, 64, nk, 128).any(3).any(1)
+        rect = visible.view(nq, bm, nk, 128).any(3).any(1)
         visitors = {}
         for n in range(nk):
             steps = [tuple(x) for x in walks[n].tolist() if x[0] >= 0]

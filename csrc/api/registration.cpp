@@ -16,13 +16,27 @@
 
 namespace {
 
-// The walks of the Hopper backward's ordered dQ reductions (OrderedWindowQTiles over its 64-row
-// query tiles and 128-key tiles) for a band (window bounds as in AttnFwdParams, bottom-right
-// aligned): (key tiles, longest walk, 3) int32, per step (query head in the group, query tile,
-// rank), -1 past a walk's end. The host runs the same iterator the kernel does.
-at::Tensor ordered_bwd_walk(int64_t lq, int64_t lk, int64_t left, int64_t right, int64_t heads) {
+// The walks of the Hopper backward's ordered dQ reductions (OrderedWindowQTiles over its query
+// tiles of block_m rows, 64 or 128 as the head dimension has them, and 128-key tiles) for a band
+// (window bounds as in AttnFwdParams, bottom-right aligned): (key tiles, longest walk, 3) int32,
+// per step (query head in the group, query tile, rank), -1 past a walk's end. The host runs the
+// same iterator the kernel does.
+template <int kBlockM>
+void ordered_walks(const sparse_attn::AttnBwdParams& bp,
+                   std::vector<std::vector<std::array<int32_t, 3>>>& walks) {
+  for (int n = 0; n < int(walks.size()); ++n) {
+    const sparse_attn::OrderedWindowQTiles<kBlockM, 128> tiles(bp, 0, 0, n);
+    sparse_attn::QTilePos pos;
+    for (bool more = tiles.start(pos); more; more = tiles.advance(pos))
+      walks[n].push_back({pos.hl, pos.m_block, tiles.rank(pos)});
+  }
+}
+
+at::Tensor ordered_bwd_walk(int64_t lq, int64_t lk, int64_t left, int64_t right, int64_t heads,
+                            int64_t block_m) {
   TORCH_CHECK(lq > 0 && lk > 0 && heads > 0 && lq <= (1 << 20) && lk <= (1 << 20) && heads <= 64,
               "_ordered_bwd_walk: lq, lk in [1, 2^20] and heads in [1, 64], got ", lq, ", ", lk, ", ", heads);
+  TORCH_CHECK(block_m == 64 || block_m == 128, "_ordered_bwd_walk: block_m must be 64 or 128, got ", block_m);
   sparse_attn::AttnBwdParams bp{};
   bp.fwd.lq = int(lq);
   bp.fwd.lk = int(lk);
@@ -32,14 +46,12 @@ at::Tensor ordered_bwd_walk(int64_t lq, int64_t lk, int64_t left, int64_t right,
   bp.fwd.h_per_kv = int(heads);
   const int nkb = int((lk + 127) / 128);
   std::vector<std::vector<std::array<int32_t, 3>>> walks(nkb);
+  if (block_m == 64)
+    ordered_walks<64>(bp, walks);
+  else
+    ordered_walks<128>(bp, walks);
   size_t longest = 0;
-  for (int n = 0; n < nkb; ++n) {
-    const sparse_attn::OrderedWindowQTiles<64, 128> tiles(bp, 0, 0, n);
-    sparse_attn::QTilePos pos;
-    for (bool more = tiles.start(pos); more; more = tiles.advance(pos))
-      walks[n].push_back({pos.hl, pos.m_block, tiles.rank(pos)});
-    longest = std::max(longest, walks[n].size());
-  }
+  for (const auto& w : walks) longest = std::max(longest, w.size());
   at::Tensor out = at::full({nkb, int64_t(longest), 3}, -1, at::kInt);
   int32_t* o = out.data_ptr<int32_t>();
   for (int n = 0; n < nkb; ++n)
@@ -197,7 +209,8 @@ TORCH_LIBRARY(sparse_attn, m) {
       "Tensor? value, Tensor? block_table, Tensor? kv_num_blocks, Tensor? kv_indices, int kv_block, "
       "int window_left=-1, int window_right=-1, int target_cc=0, int target_sms=0) -> str",
       &sparse_attn::explain_kvcache);
-  m.def("_ordered_bwd_walk(int lq, int lk, int left, int right, int heads) -> Tensor", &ordered_bwd_walk);
+  m.def("_ordered_bwd_walk(int lq, int lk, int left, int right, int heads, int block_m=64) -> Tensor",
+        &ordered_bwd_walk);
   m.def(
       "_block_bwd_visible_bits(Tensor partial_masks, int q_block, int lk, int n_block, int pid, int qrow0, "
       "int m0) "

@@ -2,15 +2,16 @@
 // tensor-core kernel (attn_bwd.cuh) on wgmma, TMA and mbarriers.
 //
 // Per CTA: 128 keys of one (batch, kv head), walking the query tiles that see them (QTilesOf,
-// tile_iter.h) over the group's query heads. Warpgroup 0 is the producer: one thread loads K and V
+// tile_iter.h) over the group's query heads; query tiles of 64 rows, of 128 for the dense family
+// at head dim 64 (AttnBwdSm90Traits::kBlockM). Warpgroup 0 is the producer: one thread loads K and V
 // once, then Q, dO (TMA) and the rows' statistics (bulk copies) of each query tile into a
 // two-stage ring ("full" / "empty" mbarriers). Warpgroups 1 and 2 are consumers, 64 keys each, in
 // the transposed layout (rows are keys):
 //   S^T = K Q^T and dP^T = V dO^T  (wgmma, both operands K-major in shared memory),
 //   P^T, dS^T in registers; dV += P^T dO and dK += dS^T Q (wgmma with A from registers),
 //   dS written transposed (stmatrix) as the K-major A of dQ = dS K (B = K, MN-major),
-// each consumer computing half of dQ's columns over all 128 keys and adding it to the fp32
-// accumulator by vector reductions. Per tile the products are issued so that the exponentials of
+// each consumer computing half of dQ's columns (128-row tiles: every column of its 64 rows) over
+// all 128 keys and adding it to the fp32 accumulator by vector reductions. Per tile the products are issued so that the exponentials of
 // P^T run under dP^T, dS^T under dV, and dQ's reductions under dK.
 //
 // Shared memory is 128-byte swizzled as in the forward (flash_fwd_sm90.cuh): a tile of R rows and
@@ -49,10 +50,14 @@ struct AttnBwdSm90Traits {
   static constexpr Variant kVariant = kVariant_;
   static constexpr ScalarKind kDtype = kDtype_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBwdBlockM;  // query rows per tile
-  static constexpr int kBlockN = 128;         // keys per CTA, 64 per consumer warpgroup
-  static_assert(!kOrdered || (kBlockM == 64 && kBlockN == 128),
-                "registration.cpp's _ordered_bwd_walk runs this walk on 64 x 128 tiles for the tests");
+  // Query rows per tile: 128 for the dense family at head dim 64 (its registers allow S^T and
+  // dP^T of 64 keys x 128 queries; the tile's fixed chain, waits, exchange and barriers, then
+  // serves twice the products), 64 otherwise.
+  static constexpr int kBlockM = kHeadDim_ == 64 && kVariant_ == Variant::kWindow ? 128 : kBwdBlockM;
+  static constexpr int kMTiles = kBlockM / 64;  // 64-row tiles of the dQ accumulator per query tile
+  static constexpr int kBlockN = 128;           // keys per CTA, 64 per consumer warpgroup
+  static_assert(!kOrdered || kBlockN == 128,
+                "registration.cpp's _ordered_bwd_walk runs this walk on 64 or 128 x 128 tiles for the tests");
   static constexpr int kStages = 2;
   static constexpr int kNThreads = 384;
   static constexpr int kColBlocks = kHeadDim / 64;
@@ -63,8 +68,9 @@ struct AttnBwdSm90Traits {
   static constexpr int kStatBytes = 2 * kBlockM * 4;  // lse_log2, then delta
   static constexpr int kDsColBytes = kBlockM * 128;   // dS: (query, key), two column blocks of 64 keys
   static constexpr int kDsBytes = 2 * kDsColBytes;
-  // dQ's columns per consumer, each over all 128 keys
-  static constexpr int kDqCols = kHeadDim / 2;
+  // dQ per consumer, over all 128 keys: half of the columns of a 64-row tile, or (128-row tiles)
+  // every column of its own 64 rows
+  static constexpr int kDqCols = kMTiles == 2 ? kHeadDim : kHeadDim / 2;
   // K, V, the stages' Q and dO, two dS buffers, then the stages' statistics.
   static constexpr int kSmemBytes =
       1024 + 2 * kKBytes + 2 * kStages * kQBytes + 2 * kDsBytes + kStages * kStatBytes;
@@ -74,6 +80,7 @@ struct AttnBwdSm90Traits {
   using QTiles = std::conditional_t<kOrdered, OrderedWindowQTiles<kBlockM, kBlockN>,
                                     typename QTilesOf<kVariant, kBlockM, kBlockN>::type>;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
+  static_assert(kBwdBlockM == 64 && (kMTiles == 1 || kMTiles == 2));
 };
 
 template <typename Tr>
@@ -202,10 +209,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   for (int i = 0; i < kDTiles * 4; ++i) dk[i] = dv[i] = 0.f;
 
   // S^T = K Q^T (or dP^T = V dO^T) of the query tile in stage s over this warpgroup's 64 keys
-  // (K = head dim, 16 per wgmma), each committed as a group of its own.
-  float st[1][8][4], dpt[1][8][4];
-  auto& st_flat = reinterpret_cast<float (&)[32]>(st);
-  auto& dpt_flat = reinterpret_cast<float (&)[32]>(dpt);
+  // (K = head dim, 16 per wgmma), each committed as a group of its own: kNq groups of 8 queries.
+  constexpr int kNq = kBlockM / 8;
+  float st[1][kNq][4], dpt[1][kNq][4];
+  auto& st_flat = reinterpret_cast<float (&)[kNq * 4]>(st);
+  auto& dpt_flat = reinterpret_cast<float (&)[kNq * 4]>(dpt);
   // wgmma descriptors: one per operand, stepped by adding (byte offset >> 4) to the start-address
   // field (shared addresses stay below 256 KiB, so the 14-bit field never carries).
   const uint64_t k_rows = sw128_desc(sK + wg * 64 * 128, 16, 1024);  // A of S^T: K-major
@@ -213,17 +221,19 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const uint64_t q_kmajor = sw128_desc(sQ, 16, 1024), do_kmajor = sw128_desc(sdO, 16, 1024);
   const uint64_t q_mnmajor = sw128_desc(sQ, Tr::kQColBytes, 1024);  // B of dK and dV
   const uint64_t do_mnmajor = sw128_desc(sdO, Tr::kQColBytes, 1024);
-  const uint64_t ds_kmajor = sw128_desc(sDs, 16, 1024);  // A of dQ
+  // A of dQ: dS's rows 64 wg .. with 128-row tiles
+  const uint64_t ds_kmajor = sw128_desc(sDs + (Tr::kMTiles == 2 ? wg * 64 * 128 : 0), 16, 1024);
   // B of dQ: K's columns kDqCols * wg ..; at head dim 64 the halves start 64 bytes apart inside
-  // its 128-byte swizzled rows
-  const uint64_t k_cols = sw128_desc(sK + (kHeadDim == 128 ? wg * Tr::kKColBytes : wg * 64), Tr::kKColBytes, 1024);
-  auto rows_gemm = [&](float (&acc)[32], uint64_t a_desc, uint64_t b_desc) {
+  // its 128-byte swizzled rows (128-row tiles: every column)
+  const uint64_t k_cols = sw128_desc(
+      sK + (Tr::kMTiles == 2 ? 0 : kHeadDim == 128 ? wg * Tr::kKColBytes : wg * 64), Tr::kKColBytes, 1024);
+  auto rows_gemm = [&](float (&acc)[kNq * 4], uint64_t a_desc, uint64_t b_desc) {
     // A: this warpgroup's 64 rows of K (or V); B: the tile's Q (or dO); both K-major.
     wgmma_fence();
     static_for<kHeadDim / 16>([&](auto kk_) {
       constexpr int kk = decltype(kk_)::value;
       constexpr uint32_t off = (kk % 4) * 32;
-      Wgmma<Tr::kDtype, 64>::ss(acc, a_desc + (((kk / 4) * Tr::kKColBytes + off) >> 4),
+      Wgmma<Tr::kDtype, kBlockM>::ss(acc, a_desc + (((kk / 4) * Tr::kKColBytes + off) >> 4),
                                 b_desc + (((kk / 4) * Tr::kQColBytes + off) >> 4), kk > 0 ? 1 : 0);
     });
     wgmma_commit();
@@ -255,7 +265,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     // ptxas spill; visible() per element issued 2.4x the dense tile's instructions).
     auto probabilities = [&](auto keep) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kNq; ++j) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse_s + j * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -264,10 +274,11 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
         }
       }
     };
-    // dS^T = P^T (dP^T - delta); hidden elements 0 (their dP^T may be made of hidden values).
-    auto dscores = [&](auto keep) {
+    // dS^T = P^T (dP^T - delta) of the queries in 8-query groups [j0, j1); hidden elements 0 (their
+    // dP^T may be made of hidden values).
+    auto dscores = [&](auto keep, int j0, int j1) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = j0; j < j1; ++j) {
         const float2 d2 = *reinterpret_cast<const float2*>(delta_s + j * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -291,30 +302,46 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       else
         probabilities(all);
     }
-    uint32_t pa[1][4][4], dsa[1][4][4];
-    pack_p<Tr::kDtype>(st, pa);
-    auto& pa_flat = reinterpret_cast<uint32_t (&)[16]>(pa);
-    auto& dsa_flat = reinterpret_cast<uint32_t (&)[16]>(dsa);
+    uint32_t pa[1][kNq / 2][4], dsa[1][kNq / 2][4];
+    auto& pa_flat = reinterpret_cast<uint32_t (&)[kNq * 2]>(pa);
+    auto& dsa_flat = reinterpret_cast<uint32_t (&)[kNq * 2]>(dsa);
 
-    // dV += P^T dO: K = the 64 queries, B MN-major (16 query rows = 2048 bytes).
-    wgmma_fence();
-    static_for<4>([&](auto kk_) {
-      constexpr int kk = decltype(kk_)::value;
-      Wgmma<Tr::kDtype, kHeadDim>::rs(dv, pa[0][kk], do_mnmajor + stage_off + kk * (2048 >> 4));
+    // dV += P^T dO (K = the tile's queries, B MN-major: 16 query rows = 2048 bytes) in kParts
+    // commit groups, each part's P^T packed just before it, and the part's dS^T computed under
+    // it (after the first part, dP^T waited for). With 128-row tiles the two parts keep P^T's
+    // packed second half and the fp32 of the first apart (packed at once, with S^T and dP^T
+    // live, they made ptxas spill and serialise the wgmmas).
+    constexpr int kParts = Tr::kMTiles, kPartK = kBlockM / 16 / kParts;
+    static_for<kParts>([&](auto c_) {
+      constexpr int c = decltype(c_)::value;
+#pragma unroll
+      for (int kk = c * kPartK; kk < (c + 1) * kPartK; ++kk) {
+        pa[0][kk][0] = pack2<Tr::kDtype>(st[0][2 * kk][0], st[0][2 * kk][1]);
+        pa[0][kk][1] = pack2<Tr::kDtype>(st[0][2 * kk][2], st[0][2 * kk][3]);
+        pa[0][kk][2] = pack2<Tr::kDtype>(st[0][2 * kk + 1][0], st[0][2 * kk + 1][1]);
+        pa[0][kk][3] = pack2<Tr::kDtype>(st[0][2 * kk + 1][2], st[0][2 * kk + 1][3]);
+      }
+      wgmma_fence();
+      static_for<kPartK>([&](auto k_) {
+        constexpr int kk = c * kPartK + decltype(k_)::value;
+        Wgmma<Tr::kDtype, kHeadDim>::rs(dv, pa[0][kk], do_mnmajor + stage_off + kk * (2048 >> 4));
+      });
+      wgmma_commit();
+      if constexpr (c == 0) {
+        wgmma_wait<1>();  // dP^T (dV runs on)
+        fence_regs(dpt_flat);
+      }
+      constexpr int j0 = 2 * c * kPartK, j1 = 2 * (c + 1) * kPartK;
+      if constexpr (Tr::kVariant == Variant::kBlockSparse) {
+        // read again rather than held across dV (one register more made ptxas spill at D = 128)
+        vis = tiles.visible_bits_t(cur, m0 + 2 * t, key_row);
+        dscores([&](int j, int e) { return ((vis >> (4 * j + e)) & 1u) != 0; }, j0, j1);
+      } else if (masked) {
+        dscores([&](int j, int e) { return st[0][j][e] != 0.f; }, j0, j1);
+      } else {
+        dscores(all, j0, j1);
+      }
     });
-    wgmma_commit();
-    wgmma_wait<1>();  // dP^T (dV runs on)
-    fence_regs(dpt_flat);
-
-    if constexpr (Tr::kVariant == Variant::kBlockSparse) {
-      // read again rather than held across dV (one register more made ptxas spill at D = 128)
-      vis = tiles.visible_bits_t(cur, m0 + 2 * t, key_row);
-      dscores([&](int j, int e) { return ((vis >> (4 * j + e)) & 1u) != 0; });
-    } else if (masked) {
-      dscores([&](int j, int e) { return st[0][j][e] != 0.f; });
-    } else {
-      dscores(all);
-    }
     pack_p<Tr::kDtype>(dpt, dsa);
 
     // dS (query, key) into shared memory, K-major for dQ: column block wg of this tile's buffer,
@@ -325,16 +352,16 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     float dqa[Tr::kDqCols / 2];
     if constexpr (Tr::kDq) {
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
         const int mi = lane / 8, q = kk * 16 + 8 * (mi / 2) + lane % 8, chunk = 2 * warp + mi % 2;
         stmatrix_x4_trans(ds_buf + wg * Tr::kDsColBytes + q * 128 + ((chunk ^ (q & 7)) * 16), dsa[0][kk]);
       }
       fence_proxy_async();
       named_barrier(1, 256);  // both halves of dS written
 
-      // dQ (64 queries x kDqCols columns from kDqCols * wg) = dS K over all 128 keys: one
-      // reduction per tile and column half (two per tile of the accumulator would double its
-      // traffic).
+      // dQ (64 queries x kDqCols columns from kDqCols * wg; 128-row tiles: queries 64 wg .., every
+      // column) = dS K over all 128 keys: one reduction per 64-row tile and column half (two per
+      // tile of the accumulator would double its traffic).
       const uint64_t ds_desc = ds_kmajor + (n % 2) * (Tr::kDsBytes >> 4);
       wgmma_fence();
 #pragma unroll
@@ -346,7 +373,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
     // dK += dS^T Q.
     wgmma_fence();
-    static_for<4>([&](auto kk_) {
+    static_for<kBlockM / 16>([&](auto kk_) {
       constexpr int kk = decltype(kk_)::value;
       Wgmma<Tr::kDtype, kHeadDim>::rs(dk, dsa[0][kk], q_mnmajor + stage_off + kk * (2048 >> 4));
     });
@@ -362,8 +389,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
       // column half is the float4s from wg * kDqCols / 8. (Staging the tile in shared memory for
       // one TMA bulk reduction, a proxy fence and two barriers per tile, measured 6-8 % slower at
       // head dim 64 and no faster at 128.)
-      float* dst = bp.dq_accum + ((int64_t(b) * p.h + h) * (bp.lq_pad / kBlockM) + m_block) * kBlockM * kHeadDim +
-                   wg * kBlockM * Tr::kDqCols + tid * 4;
+      const int m_tile = Tr::kMTiles == 2 ? 2 * m_block + wg : m_block;  // 64-row tile of the accumulator
+      float* dst = bp.dq_accum + ((int64_t(b) * p.h + h) * (bp.lq_pad / 64) + m_tile) * 64 * kHeadDim +
+                   (Tr::kMTiles == 2 ? 0 : wg * 64 * Tr::kDqCols) + tid * 4;
       if constexpr (Tr::kOrdered) mbar_wait(bar_go + 8 * (n % 2), (n / 2) & 1);  // this tile's turn
 #pragma unroll
       for (int j = 0; j < Tr::kDqCols / 8; ++j)  // scale * dQ: the glue only reorders and casts
