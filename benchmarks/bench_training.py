@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             b.synchronize()
             times.append(a.elapsed_time(b))
         ms = statistics.median(times)
-        rows.append((name, ms, float(loss)))
+        rows.append((name, ms, float(loss.detach())))
         del model, opt
         torch.cuda.empty_cache()
     base = rows[0][1]
