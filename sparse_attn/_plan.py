@@ -547,6 +547,7 @@ _DEFAULTS = {
     "select_workspace_bytes": 0,
     "decode_splits": 0,
     "select_filter_stride": 0,
+    "bwd_head_splits": 0,
     "topk_attention_route": None,
 }
 _current = dict(_DEFAULTS)
@@ -564,6 +565,7 @@ def _apply(options: dict) -> None:
         int(options["select_workspace_bytes"]),
         int(options["decode_splits"]),
         int(options["select_filter_stride"]),
+        int(options["bwd_head_splits"]),
     )
 
 
@@ -582,6 +584,9 @@ def overrides(**changes):
     - ``select_filter_stride=n``: top-k selection filtered on chip with a sample of every n-th
       key tile (where the kernels can take it), ``-1``: never filtered (the scores then go
       through the workspace).
+    - ``bwd_head_splits=n``: the Hopper backward of flash attention (dense, causal, windows) with
+      each key block's GQA group of query heads shared by n CTAs (a divisor of the group; capped
+      at it), dK and dV summed in fp32;
     - ``topk_attention_route="gather"`` or ``"masked_block"``: how topk_attention attends over
       a selection of its own (selection_route; Python-side).
 

@@ -352,8 +352,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     // CTAs in head groups (bwd_tile_of_cta: key block by key block over head_group (batch, kv
     // head)s), as many as keep the group's Q and dO (16-bit, the tensor-core kernels') within
     // `budget` bytes, `bytes` each.
+    // GQA with few (batch, kv head)s: a key block's walk over the group's heads shared by
+    // head_splits CTAs (plan_bwd_head_splits), their dK and dV summed in fp32.
+    bp.head_splits = hopper && variant == Variant::kWindow && !ordered
+                         ? plan_bwd_head_splits(bp, dev, padded_head_dim(s.d) == 64 ? 128 : 64)
+                         : 1;
+    const int64_t units = s.b * s.h_kv * bp.head_splits;  // the grid's y
     const auto heads_within = [&](int64_t budget, int64_t bytes) {
-      return int(std::clamp<int64_t>(budget / std::max<int64_t>(1, bytes), 1, s.b * s.h_kv));
+      return int(std::clamp<int64_t>(budget / std::max<int64_t>(1, bytes), 1, units));
     };
     const int64_t qdo_bytes = s.lq * (s.d + s.dv) * 2;  // one query head's Q and dO
     bp.head_group = 0;
@@ -366,7 +372,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
       bp.head_group = heads_within(int64_t(32) << 20, qdo_bytes);
     } else if (variant == Variant::kWindow && bp.fwd.window_left < 0 && bp.fwd.window_right >= 0) {
       // Causal-type windows, heaviest key blocks first: a group's Q and dO about 16 MiB, a share of L2.
-      bp.head_group = heads_within(int64_t(16) << 20, qdo_bytes * (s.h / s.h_kv));
+      bp.head_group = heads_within(int64_t(16) << 20, qdo_bytes * (s.h / s.h_kv) / bp.head_splits);
+    }
+    at::Tensor dk_split, dv_split;
+    bp.dk_accum = bp.dv_accum = nullptr;
+    if (bp.head_splits > 1) {
+      dk_split = at::zeros({s.b, s.h_kv, s.lk, s.d}, f32);
+      dv_split = at::zeros({s.b, s.h_kv, s.lk, s.dv}, f32);
+      bp.dk_accum = dk_split.data_ptr<float>();
+      bp.dv_accum = dv_split.data_ptr<float>();
     }
     // dQ in fp32: Hopper's in 64 x 64 tiles (b, h, query tile, column block) holding the wgmma
     // fragments in order (j, warp, g, t, e), undone below; the portable kernel's dQ / scale as
@@ -396,6 +410,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
               });
             }),
         what);
+    if (bp.head_splits > 1) {
+      c.t.dk.copy_(dk_split);
+      c.t.dv.copy_(dv_split);
+    }
     if (separate) {
       check_launch(SA_HALF_DTYPE_SWITCH(
                        bp.fwd.dtype, kDtype,

@@ -5,6 +5,10 @@
 
 #include <algorithm>
 #include <numeric>
+#include <queue>
+#include <vector>
+
+#include "sparse_attn/tile_iter.h"
 
 namespace sparse_attn {
 namespace {
@@ -169,6 +173,97 @@ FlashPlan plan_flash(const AttnFwdParams& p, Variant v, const DeviceInfo& dev, c
   plan.merge_boundary =
       plan.tile.block_m == 128 && (opt.merge_boundary >= 0 ? opt.merge_boundary != 0 : short_tiles);
   return plan;
+}
+
+int plan_bwd_head_splits(const AttnBwdParams& bp, const DeviceInfo& dev, int block_m) {
+  const AttnFwdParams& p = bp.fwd;
+  const int group = p.h_per_kv;
+  const int64_t kvs = int64_t(p.b) * p.h_kv;
+  if (const int forced = plan_options().bwd_head_splits; forced > 0) {
+    int splits = std::min(forced, std::max(group, 1));
+    while (splits > 1 && (group % splits != 0 || kvs * splits > 65535)) --splits;
+    return std::max(splits, 1);
+  }
+  if (group <= 1 || dev.sms <= 0 || p.lk <= 0 || p.lq <= 0) return 1;
+  // Each key block's walk: query tiles (the kernel's iterator, WindowQTiles) per query head.
+  const int nkb = (p.lk + 127) / 128;
+  std::vector<int64_t> tiles(nkb);
+  for (int n = 0; n < nkb; ++n) {
+    if (block_m == 128) {
+      const WindowQTiles<128, 128> w(bp, 0, 0, n);
+      tiles[n] = w.m_end - w.m_begin;
+    } else {
+      const WindowQTiles<64, 128> w(bp, 0, 0, n);
+      tiles[n] = w.m_end - w.m_begin;
+    }
+  }
+  const int64_t total = std::accumulate(tiles.begin(), tiles.end(), int64_t(0)) * kvs * group;
+  const int64_t heaviest = *std::max_element(tiles.begin(), tiles.end()) * group;
+  // The grid in the kernel's order (bwd_tile_of_cta, the head groups ops_cuda.cpp picks) dealt to
+  // the SMs as they free up, a CTA costing its query tiles plus a fixed half tile (K, V, launch) and,
+  // split, about a tile per 64 columns of dK and dV added in fp32 (H200: 16/2 heads at 8k, causal,
+  // D = 128: 3.51 / 3.04 / 2.75 / 2.77 ms at 1 / 2 / 4 / 8 CTAs per group; this model: 1 / 0.83 /
+  // 0.68 / 0.69). Split where the model gains 10 %: below that, the reductions' traffic and the
+  // extra launches outweighed it at 2k, and non-causal grids lost 2-3 %.
+  const bool causal_type = p.window_left < 0 && p.window_right >= 0;
+  const int64_t qdo_bytes = int64_t(p.lq) * (p.d + p.dv) * 2;
+  // (Not modelled where many CTAs hold no heavy walk, MHA-like grids: their tail is short already;
+  // nor past 2^16 CTAs.)
+  const bool model =
+      total > 0 && double(heaviest) * 8 * dev.sms > double(total) && kvs * nkb * group <= (1 << 16);
+  const auto makespan = [&](int splits) {
+    const int64_t units = kvs * splits;
+    const int64_t per = group / splits;
+    const double extra = 0.5 + (splits > 1 ? (p.d + p.dv) / 128.0 : 0.0);
+    const int64_t head_group =
+        causal_type
+            ? std::clamp<int64_t>((int64_t(16) << 20) / std::max<int64_t>(1, qdo_bytes * per), 1, units)
+            : 0;
+    std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
+    for (int i = 0; i < dev.sms; ++i) free_at.push(0.0);
+    const auto run = [&](int n) {
+      const double t = free_at.top();
+      free_at.pop();
+      free_at.push(t + double(tiles[n] * per) + extra);
+    };
+    if (head_group > 0) {
+      for (int64_t g0 = 0; g0 < units; g0 += head_group)
+        for (int n = 0; n < nkb; ++n)
+          for (int64_t u = g0; u < std::min(units, g0 + head_group); ++u) run(n);
+    } else {
+      for (int64_t u = 0; u < units; ++u)
+        for (int n = 0; n < nkb; ++n) run(n);
+    }
+    double end = 0.0;
+    while (!free_at.empty()) {
+      end = std::max(end, free_at.top());
+      free_at.pop();
+    }
+    return end;
+  };
+  int best = 1;
+  if (model) {
+    const double base = makespan(1);
+    double best_time = base;
+    for (int splits = 2; splits <= group && group % splits == 0 && kvs * splits <= 65535; splits *= 2) {
+      const double t = makespan(splits);
+      if (t < best_time * 0.98) {
+        best = splits;
+        best_time = t;
+      }
+    }
+    if (best_time > 0.9 * base) best = 1;
+  }
+  // Causal-type masks whose group's Q and dO pass 32 MiB: a short walk (a late key block) moves to
+  // the next head long before a long one, so the CTAs of a key block group spread over every head's
+  // Q and dO and miss L2; a share of the heads keeps them near each other (H200, causal, D = 128,
+  // 16k, 64 MiB per group: 16/2 heads 5.65 / 5.05 / 5.06 ms, 64/8 heads 22.5 / 20.2 / 20.7 ms at
+  // 1 / 2 / 4 CTAs per group; the model above sees no tail there).
+  if (causal_type)
+    while (best < group && group % (2 * best) == 0 && kvs * 2 * best <= 65535 &&
+           qdo_bytes * group / best > (int64_t(32) << 20))
+      best *= 2;
+  return best;
 }
 
 GatherPlan plan_gather(const AttnFwdParams& p, const DeviceInfo& dev) {

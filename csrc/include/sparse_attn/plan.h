@@ -137,6 +137,7 @@ struct PlanOptions {
   int64_t select_workspace_bytes = 0;  // top-k selection's score workspace
   int select_filter_stride = 0;        // filtered selection's sample stride (key tiles); -1: never filtered
   int decode_splits = 0;               // attention_with_kvcache's split-KV count (capped at the key tiles)
+  int bwd_head_splits = 0;             // Hopper backward: CTAs per key block's GQA group (a divisor of it)
 };
 
 // The process's overrides (one struct, read by every plan; defaults until a test sets them).
@@ -180,6 +181,14 @@ struct GatherPlan {
 
 // gather_fwd: attention over each query's listed keys (params.indices).
 GatherPlan plan_gather(const AttnFwdParams& params, const DeviceInfo& device);
+
+// The Hopper backward of the dense family (reductions in any order, query tiles of block_m rows):
+// how many CTAs share each key block's walk over its GQA group's query heads
+// (AttnBwdParams::head_splits; a power of two dividing h_per_kv). One CTA walks a key block over
+// every head of the group: where few (batch, kv head)s hold many query heads, the heaviest walk
+// (a causal mask's first key block) is a large share of an SM's load and the grid's last CTAs run
+// it alone. Split until it is at most a quarter of the mean load per SM.
+int plan_bwd_head_splits(const AttnBwdParams& params, const DeviceInfo& device, int block_m);
 
 struct SelectPlan {
   bool tensor_core_scoring = false;  // topk_score fills the workspace 64-row query tiles at a time

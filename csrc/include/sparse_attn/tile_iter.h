@@ -302,6 +302,7 @@ struct QTilePos {
 template <int kBlockM, int kBlockN>
 struct WindowQTiles {
   int heads, lk, left, right, off, n0;
+  int h_begin = 0;     // query heads [h_begin, heads) of the group (split_heads)
   int m_begin, m_end;  // query tiles [m_begin, m_end) of every head
   // Each head's walk starts at m_first and wraps around: key tile n_block starts n_block tiles
   // in, so the CTAs of one head, which run together, add into different dQ tiles (starting at
@@ -327,9 +328,15 @@ struct WindowQTiles {
     m_first = m_end > m_begin ? m_begin + n_block % (m_end - m_begin) : m_begin;
   }
 
+  // Only the i-th of n equal shares of the group's query heads (AttnBwdParams::head_splits).
+  SA_HD void split_heads(int i, int n) {
+    const int per = heads / n;
+    h_begin = i * per;
+    heads = h_begin + per;
+  }
   SA_HD bool start(QTilePos& s) const {
-    s = QTilePos{0, m_first, -1, 0, 0, 0, 0};
-    return m_end > m_begin && heads > 0;
+    s = QTilePos{h_begin, m_first, -1, 0, 0, 0, 0};
+    return m_end > m_begin && heads > h_begin;
   }
   SA_HD bool advance(QTilePos& s) const {
     if (++s.m_block == m_end) s.m_block = m_begin;

@@ -120,6 +120,35 @@ __device__ __forceinline__ void red_add_f4(float* dst, float4 v) {
 #endif
 }
 
+// Adds two floats to 8-byte aligned global memory, atomically per element, no result.
+__device__ __forceinline__ void red_add_f2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+// Adds a warp's m16 x (8 kNT) accumulator tile times `factor` to fp32 rows (this thread's rows
+// `row` and row + 8, columns 8 nd + 2t and + 1) of a row-major matrix: rows >= rows and columns
+// >= cols are skipped. `cols` even.
+template <int kNT>
+__device__ __forceinline__ void red_rows(float* out, int64_t row_stride, int row, int rows, int cols,
+                                         const float (&acc)[kNT][4], float factor, int t) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row + 8 * half;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int nd = 0; nd < kNT; ++nd) {
+      const int col = nd * 8 + 2 * t;
+      if (col < cols)
+        red_add_f2(out + int64_t(r) * row_stride + col, acc[nd][2 * half] * factor, acc[nd][2 * half + 1] * factor);
+    }
+  }
+}
+
 // Stores a warp's m16 x (8 kNT) accumulator tile times `factor` as 16-bit rows (this thread's rows
 // `row` and row + 8, columns 8 nd + 2t and + 1) of a row-major matrix: rows >= rows and columns
 // >= cols are skipped.

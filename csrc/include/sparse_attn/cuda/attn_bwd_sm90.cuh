@@ -107,9 +107,13 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
 
   int n_block, by;
   bwd_tile_of_cta(bp, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, n_block, by);
-  const int b = by / p.h_kv, hk = by % p.h_kv;
+  const int split = by % bp.head_splits, bkv = by / bp.head_splits;  // (batch, kv head, split)
+  const int b = bkv / p.h_kv, hk = bkv % p.h_kv;
   const int n0 = n_block * kBlockN;
-  const typename Tr::QTiles tiles(bp, b, hk, n_block);
+  typename Tr::QTiles tiles(bp, b, hk, n_block);
+  if constexpr (Tr::kVariant == Variant::kWindow && !Tr::kOrdered) {
+    if (bp.head_splits > 1) tiles.split_heads(split, bp.head_splits);
+  }
   QTilePos first;
   const bool any = tiles.start(first);
 
@@ -411,7 +415,15 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
   }
 
-  // dK = scale * sum dS^T Q, dV = sum P^T dO.
+  // dK = scale * sum dS^T Q, dV = sum P^T dO; a share of the group's heads adds them in fp32.
+  if (bp.head_splits > 1) {
+    const int64_t kv = int64_t(b) * p.h_kv + hk;
+    red_rows(bp.dk_accum + kv * p.lk * p.d, p.d, key_row, p.lk, p.d,
+             reinterpret_cast<const float (&)[kDTiles][4]>(dk), p.scale, t);
+    red_rows(bp.dv_accum + kv * p.lk * p.dv, p.dv, key_row, p.lk, p.dv,
+             reinterpret_cast<const float (&)[kDTiles][4]>(dv), 1.f, t);
+    return;
+  }
   using Element = typename ElementOf<Tr::kDtype>::type;
   Element* dkp = static_cast<Element*>(bp.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * p.d;
   Element* dvp = static_cast<Element*>(bp.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * p.dv;
@@ -433,9 +445,12 @@ template <typename Tr>
 cudaError_t launch_attn_bwd_sm90(const AttnBwdParams& params, cudaStream_t stream) {
   const AttnFwdParams& p = params.fwd;
   if (Tr::kVariant == Variant::kBlockSparse && p.kv_block != Tr::kBlockN) return cudaErrorInvalidValue;
-  const dim3 grid((p.lk + Tr::kBlockN - 1) / Tr::kBlockN, p.b * p.h_kv);
+  if (params.head_splits < 1 || ((Tr::kOrdered || Tr::kVariant != Variant::kWindow) && params.head_splits != 1) ||
+      p.h_per_kv % params.head_splits != 0 || (params.head_splits > 1 && params.dk_accum == nullptr))
+    return cudaErrorInvalidValue;
+  const dim3 grid((p.lk + Tr::kBlockN - 1) / Tr::kBlockN, int64_t(p.b) * p.h_kv * params.head_splits);
   if (grid.x == 0 || grid.y == 0) return cudaSuccess;
-  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  if (int64_t(p.b) * p.h_kv * params.head_splits > 65535) return cudaErrorInvalidConfiguration;
   AttnBwdSm90Args args;
   args.bp = params;
   SA_CUDA_TRY(encode_bhld_tma(&args.tma_q, p.q, 2, p.d, p.lq, p.h, p.b, p.q_row_stride, p.q_head_stride,
