@@ -8,6 +8,7 @@ Ratios (`vs cudnn`, `vs flex`, ...) are the other's time over ours from the same
 
     python benchmarks/bench_backward.py                       # every table at the default sizes
     python benchmarks/bench_backward.py --tables flash --lengths 4096 8192
+    python benchmarks/bench_backward.py --tables gqa          # GQA / MQA shapes of real models
 """
 
 from __future__ import annotations
@@ -112,6 +113,59 @@ def flash_table(args, dev) -> list[str]:
                 print(lines[-1], flush=True)
     lines.append("")
     lines.append("worst ratio at L >= 4k (their time / ours): " + ", ".join(f"{n} {x:.2f}" for n, x in worst.items()))
+    return lines
+
+
+# GQA and MQA shapes of real models (B, H, Hkv, L, D): Llama-style 32/8 and 64/8, 16/2, MQA 16/1.
+GQA_SHAPES = [
+    (1, 32, 8, 8192, 128),
+    (1, 32, 8, 16384, 128),
+    (2, 16, 2, 8192, 128),
+    (1, 16, 2, 16384, 128),
+    (1, 64, 8, 16384, 128),
+    (1, 16, 1, 8192, 128),
+    (1, 32, 8, 8192, 64),
+    (1, 16, 2, 8192, 64),
+]
+
+
+def gqa_table(args, dev) -> list[str]:
+    """GQA / MQA backward, causal and not, against cuDNN and FA2 (SDPA with enable_gqa)."""
+    backends = sdpa_backends(dev)
+    lines = [
+        "| B | H | Hkv | L | D | causal | ours ms | ours TFLOP/s | cudnn TFLOP/s | fa2 TFLOP/s | vs cudnn | vs fa2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    worst = {}
+    for b, h, hkv, length, d in GQA_SHAPES:
+        for causal in (True, False):
+            q, k, v = qkv(b, h, hkv, length, d, dev, seed=length + h)
+            pairs = b * h * length * length * (0.5 if causal else 1.0)
+            fns = {
+                "ours": backward_fn(
+                    lambda a, b_, c, cz=causal: sparse_attn.flash_attention(a, b_, c, causal=cz), q, k, v
+                ),
+                "cudnn": backward_fn(
+                    lambda a, b_, c, cz=causal: run_sdpa(a, b_, c, backends["sdpa-cudnn"], causal=cz), q, k, v
+                ),
+                "fa2": backward_fn(
+                    lambda a, b_, c, cz=causal: run_sdpa(a, b_, c, backends["sdpa-flash"], causal=cz), q, k, v
+                ),
+            }
+            t = time_rounds(fns, dev, rounds=args.rounds)
+            ms = {n: sorted(x)[len(x) // 2] for n, x in t.items()}
+            r = {n: ratio_median(t[n], t["ours"]) for n in ("cudnn", "fa2")}
+            tf = {n: tflops_bwd(pairs, d, m) for n, m in ms.items()}
+            lines.append(
+                f"| {b} | {h} | {hkv} | {length} | {d} | {causal} | {ms['ours']:.3f} | {tf['ours']:.0f} | "
+                f"{tf['cudnn']:.0f} | {tf['fa2']:.0f} | {r['cudnn']:.2f} | {r['fa2']:.2f} |"
+            )
+            for n, x in r.items():
+                worst[n] = min(worst.get(n, math.inf), x)
+            print(lines[-1], flush=True)
+            del q, k, v, fns
+    lines.append("")
+    lines.append("worst ratio (their time / ours): " + ", ".join(f"{n} {x:.2f}" for n, x in worst.items()))
     return lines
 
 
@@ -234,7 +288,7 @@ def topk_table(args, dev) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tables", nargs="+", default=["flash", "block_sparse", "topk", "memory"])
+    parser.add_argument("--tables", nargs="+", default=["flash", "gqa", "block_sparse", "topk", "memory"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--batch", type=int, default=2)
@@ -254,6 +308,8 @@ def main(argv=None) -> int:
     out = []
     if "flash" in args.tables:
         out += ["## flash backward", ""] + flash_table(args, dev) + [""]
+    if "gqa" in args.tables:
+        out += ["## flash backward, GQA and MQA (B, H, Hkv as given)", ""] + gqa_table(args, dev) + [""]
     if "block_sparse" in args.tables:
         out += ["## block-sparse backward", ""] + block_sparse_table(args, dev) + [""]
     if "topk" in args.tables:
