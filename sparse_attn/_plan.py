@@ -256,8 +256,10 @@ def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target) ->
         )
     if cc == 90:
         return (
-            f"{kernels} (CUDA Hopper kernel: 128 keys per CTA, dK and dV in registers, dQ added by vector "
-            "reductions; block-sparse masks of 64-key blocks take the portable mma.sync kernel)"
+            f"{kernels} (CUDA Hopper kernel: 128 keys per CTA, query tiles of 128 rows at head dim 64, dK "
+            "and dV in registers, dQ added by vector reductions; with few K/V heads a key block's query heads "
+            "shared by several CTAs, their dK and dV summed in fp32; block-sparse masks of 64-key blocks take "
+            "the portable mma.sync kernel)"
         )
     return f"{kernels} (CUDA portable mma.sync kernel: 128 keys per CTA, dK and dV in registers, dQ by fp32 atomics)"
 
