@@ -32,6 +32,15 @@ def backward_fn(forward, q, k, v):
     return lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
 
+def ours_and_sdpa(q, k, v, causal, backends):
+    """Backward callables of our flash_attention and SDPA's cuDNN and FA2 backends on (q, k, v)."""
+    return {
+        "ours": backward_fn(lambda a, b, c: sparse_attn.flash_attention(a, b, c, causal=causal), q, k, v),
+        "cudnn": backward_fn(lambda a, b, c: run_sdpa(a, b, c, backends["sdpa-cudnn"], causal=causal), q, k, v),
+        "fa2": backward_fn(lambda a, b, c: run_sdpa(a, b, c, backends["sdpa-flash"], causal=causal), q, k, v),
+    }
+
+
 def portable(fn):
     """fn() with the plan held to the portable (mma.sync) kernels."""
     with sparse_attn._plan.overrides(portable_only=True):
@@ -74,17 +83,7 @@ def flash_table(args, dev) -> list[str]:
             for causal in (False, True):
                 q, k, v = qkv(args.batch, h, h, length, d, dev, seed=length)
                 pairs = args.batch * h * length * length * (0.5 if causal else 1.0)
-                fns = {
-                    "ours": backward_fn(
-                        lambda a, b, c, causal=causal: sparse_attn.flash_attention(a, b, c, causal=causal), q, k, v
-                    ),
-                    "cudnn": backward_fn(
-                        lambda a, b, c, causal=causal: run_sdpa(a, b, c, backends["sdpa-cudnn"], causal=causal), q, k, v
-                    ),
-                    "fa2": backward_fn(
-                        lambda a, b, c, causal=causal: run_sdpa(a, b, c, backends["sdpa-flash"], causal=causal), q, k, v
-                    ),
-                }
+                fns = ours_and_sdpa(q, k, v, causal, backends)
                 ours_portable = backward_fn(
                     lambda a, b, c, causal=causal: sparse_attn.flash_attention(a, b, c, causal=causal), q, k, v
                 )
@@ -141,17 +140,7 @@ def gqa_table(args, dev) -> list[str]:
         for causal in (True, False):
             q, k, v = qkv(b, h, hkv, length, d, dev, seed=length + h)
             pairs = b * h * length * length * (0.5 if causal else 1.0)
-            fns = {
-                "ours": backward_fn(
-                    lambda a, b_, c, cz=causal: sparse_attn.flash_attention(a, b_, c, causal=cz), q, k, v
-                ),
-                "cudnn": backward_fn(
-                    lambda a, b_, c, cz=causal: run_sdpa(a, b_, c, backends["sdpa-cudnn"], causal=cz), q, k, v
-                ),
-                "fa2": backward_fn(
-                    lambda a, b_, c, cz=causal: run_sdpa(a, b_, c, backends["sdpa-flash"], causal=cz), q, k, v
-                ),
-            }
+            fns = ours_and_sdpa(q, k, v, causal, backends)
             t = time_rounds(fns, dev, rounds=args.rounds)
             ms = {n: sorted(x)[len(x) // 2] for n, x in t.items()}
             r = {n: ratio_median(t[n], t["ours"]) for n in ("cudnn", "fa2")}

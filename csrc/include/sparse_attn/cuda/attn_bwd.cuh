@@ -130,12 +130,12 @@ __device__ __forceinline__ void red_add_f2(float* dst, float a, float b) {
 #endif
 }
 
-// Adds a warp's m16 x (8 kNT) accumulator tile times `factor` to fp32 rows (this thread's rows
-// `row` and row + 8, columns 8 nd + 2t and + 1) of a row-major matrix: rows >= rows and columns
-// >= cols are skipped. `cols` even.
-template <int kNT>
-__device__ __forceinline__ void red_rows(float* out, int64_t row_stride, int row, int rows, int cols,
-                                         const float (&acc)[kNT][4], float factor, int t) {
+// fn(r, col, x, y) for the pairs of a warp's m16 x (8 kNT) accumulator tile times `factor` that
+// this thread holds (rows `row` and row + 8, columns 8 nd + 2t and + 1), rows >= rows and
+// columns >= cols skipped.
+template <int kNT, typename Fn>
+__device__ __forceinline__ void for_row_pairs(int row, int rows, int cols, const float (&acc)[kNT][4], float factor,
+                                              int t, Fn fn) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = row + 8 * half;
@@ -143,31 +143,27 @@ __device__ __forceinline__ void red_rows(float* out, int64_t row_stride, int row
 #pragma unroll
     for (int nd = 0; nd < kNT; ++nd) {
       const int col = nd * 8 + 2 * t;
-      if (col < cols)
-        red_add_f2(out + int64_t(r) * row_stride + col, acc[nd][2 * half] * factor, acc[nd][2 * half + 1] * factor);
+      if (col < cols) fn(r, col, acc[nd][2 * half] * factor, acc[nd][2 * half + 1] * factor);
     }
   }
 }
 
-// Stores a warp's m16 x (8 kNT) accumulator tile times `factor` as 16-bit rows (this thread's rows
-// `row` and row + 8, columns 8 nd + 2t and + 1) of a row-major matrix: rows >= rows and columns
-// >= cols are skipped.
+// Adds the tile (for_row_pairs) to fp32 rows of a row-major matrix; `cols` even.
+template <int kNT>
+__device__ __forceinline__ void red_rows(float* out, int64_t row_stride, int row, int rows, int cols,
+                                         const float (&acc)[kNT][4], float factor, int t) {
+  for_row_pairs(row, rows, cols, acc, factor, t,
+                [&](int r, int col, float x, float y) { red_add_f2(out + int64_t(r) * row_stride + col, x, y); });
+}
+
+// Stores the tile (for_row_pairs) as 16-bit rows of a row-major matrix.
 template <ScalarKind kDtype, int kNT>
 __device__ __forceinline__ void store_rows(typename ElementOf<kDtype>::type* out, int64_t row_stride, int row,
                                            int rows, int cols, const float (&acc)[kNT][4], float factor,
                                            int t) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = row + 8 * half;
-    if (r >= rows) continue;
-#pragma unroll
-    for (int nd = 0; nd < kNT; ++nd) {
-      const int col = nd * 8 + 2 * t;
-      if (col < cols)
-        *reinterpret_cast<uint32_t*>(out + int64_t(r) * row_stride + col) =
-            pack2<kDtype>(acc[nd][2 * half] * factor, acc[nd][2 * half + 1] * factor);
-    }
-  }
+  for_row_pairs(row, rows, cols, acc, factor, t, [&](int r, int col, float x, float y) {
+    *reinterpret_cast<uint32_t*>(out + int64_t(r) * row_stride + col) = pack2<kDtype>(x, y);
+  });
 }
 
 template <typename Tr>
