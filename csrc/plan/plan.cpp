@@ -4,6 +4,9 @@
 #include "sparse_attn/plan.h"
 
 #include <algorithm>
+#include <array>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <queue>
 #include <vector>
@@ -175,6 +178,10 @@ FlashPlan plan_flash(const AttnFwdParams& p, Variant v, const DeviceInfo& dev, c
   return plan;
 }
 
+namespace {
+int bwd_head_splits_model(const AttnBwdParams& bp, const DeviceInfo& dev, int block_m);
+}  // namespace
+
 int plan_bwd_head_splits(const AttnBwdParams& bp, const DeviceInfo& dev, int block_m) {
   const AttnFwdParams& p = bp.fwd;
   const int group = p.h_per_kv;
@@ -185,6 +192,31 @@ int plan_bwd_head_splits(const AttnBwdParams& bp, const DeviceInfo& dev, int blo
     return std::max(splits, 1);
   }
   if (group <= 1 || dev.sms <= 0 || p.lk <= 0 || p.lq <= 0) return 1;
+  // The model below takes ~0.1-0.3 ms of host time at 2k-8k: once per shape (a training step's
+  // shapes repeat), the answers kept (at most 4096 of them).
+  using Key = std::array<int64_t, 12>;
+  const Key key{p.b,         p.h_kv, group, p.lq,    p.lk,   p.window_left, p.window_right,
+                p.kv_offset, p.d,    p.dv,  block_m, dev.sms};
+  static std::mutex mutex;
+  static std::map<Key, int> known;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (const auto it = known.find(key); it != known.end()) return it->second;
+  }
+  const int splits = bwd_head_splits_model(bp, dev, block_m);
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (known.size() >= 4096) known.clear();
+  known.emplace(key, splits);
+  return splits;
+}
+
+namespace {
+
+// plan_bwd_head_splits' model (group > 1).
+int bwd_head_splits_model(const AttnBwdParams& bp, const DeviceInfo& dev, int block_m) {
+  const AttnFwdParams& p = bp.fwd;
+  const int group = p.h_per_kv;
+  const int64_t kvs = int64_t(p.b) * p.h_kv;
   // Each key block's walk: query tiles (the kernel's iterator, WindowQTiles) per query head.
   const int nkb = (p.lk + 127) / 128;
   std::vector<int64_t> tiles(nkb);
@@ -265,6 +297,8 @@ int plan_bwd_head_splits(const AttnBwdParams& bp, const DeviceInfo& dev, int blo
       best *= 2;
   return best;
 }
+
+}  // namespace
 
 GatherPlan plan_gather(const AttnFwdParams& p, const DeviceInfo& dev) {
   GatherPlan plan;
