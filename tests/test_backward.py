@@ -416,6 +416,33 @@ def test_cuda_backward_with_head_splits(d):
                         torch.testing.assert_close(a.float(), f.float(), atol=1e-2, rtol=1e-2)
 
 
+def test_backward_head_splits_plan():
+    """plan_bwd_head_splits (run on the host by a private op, a 132-SM Hopper): one CTA per key block
+    for MHA, non-causal grids and many (batch, kv head)s; a causal MQA or few-K/V-head grid at 8k
+    shares each key block's heads over several CTAs (a divisor of the group), as does a causal group
+    whose Q and dO pass 32 MiB at 16k; the bwd_head_splits override wins (capped at a divisor of
+    the group); asking again gives the same answer (the per-shape cache)."""
+    splits = torch.ops.sparse_attn._bwd_head_splits
+
+    def plan(b, h, hkv, length, d=128, causal=True, sms=132):
+        bm = 128 if d == 64 else 64
+        return splits(b, h, hkv, length, length, -1, 0 if causal else -1, d, sms, bm)
+
+    assert plan(2, 16, 16, 8192) == 1  # MHA
+    assert plan(2, 16, 2, 8192, causal=False) == 1
+    assert plan(16, 32, 8, 8192) == 1  # many (batch, kv head)s
+    for args in ((1, 16, 1, 8192), (2, 16, 2, 8192), (1, 32, 8, 8192), (1, 16, 2, 16384), (1, 64, 8, 16384)):
+        s = plan(*args)
+        assert s > 1 and (args[1] // args[2]) % s == 0, (args, s)
+        assert plan(*args) == s
+    assert plan(1, 16, 1, 8192) >= 4  # MQA: the first key blocks walk 16 heads
+    with sparse_attn._plan.overrides(bwd_head_splits=3):
+        assert plan(1, 16, 2, 8192) == 2  # 3 does not divide 8
+        assert plan(2, 16, 16, 8192) == 1
+    with sparse_attn._plan.overrides(bwd_head_splits=64):
+        assert plan(1, 16, 1, 8192) == 16
+
+
 def test_ordered_backward_walks_visit_each_tile_once_in_key_order():
     """The deterministic mode's walks (OrderedWindowQTiles over the Hopper backward's 64-row query
     tiles, 128-row ones at head dim 64, and 128-key tiles, run on the host by a private op) against

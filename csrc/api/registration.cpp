@@ -1,8 +1,8 @@
 // Op schemas, written once. Each backend registers its kernels in its own file
 // (ops_cpu.cpp, ops_cuda.cpp); Python adds the fake (meta) kernels. The _plan_* ops return the
 // plan a call would take, without running it (sparse_attn.explain); _set_plan_options sets the
-// plan overrides of tests and benchmarks; _ordered_bwd_walk and _block_bwd_visible_bits show the
-// Hopper backward's walks and visibility bits to the tests.
+// plan overrides of tests and benchmarks; _ordered_bwd_walk, _block_bwd_visible_bits and
+// _bwd_head_splits show the Hopper backward's walks, visibility bits and head splits to the tests.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -58,6 +58,30 @@ at::Tensor ordered_bwd_walk(int64_t lq, int64_t lk, int64_t left, int64_t right,
     for (size_t i = 0; i < walks[n].size(); ++i)
       for (int c = 0; c < 3; ++c) o[(n * longest + i) * 3 + c] = walks[n][i][c];
   return out;
+}
+
+// plan_bwd_head_splits for a flash backward of these sizes (window bounds as in AttnFwdParams,
+// bottom-right aligned) on a device of `sms` SMs, for the CPU tests.
+int64_t bwd_head_splits(int64_t b, int64_t h, int64_t h_kv, int64_t lq, int64_t lk, int64_t left,
+                        int64_t right, int64_t d, int64_t sms, int64_t block_m) {
+  TORCH_CHECK(b > 0 && h_kv > 0 && h > 0 && h % h_kv == 0 && lq > 0 && lk > 0 && lq <= (1 << 24) &&
+                  lk <= (1 << 24) && d > 0 && d <= 256 && sms > 0 && (block_m == 64 || block_m == 128),
+              "_bwd_head_splits: sizes out of range");
+  sparse_attn::AttnBwdParams bp{};
+  bp.fwd.b = int(b);
+  bp.fwd.h = int(h);
+  bp.fwd.h_kv = int(h_kv);
+  bp.fwd.h_per_kv = int(h / h_kv);
+  bp.fwd.lq = int(lq);
+  bp.fwd.lk = int(lk);
+  bp.fwd.window_left = int(left);
+  bp.fwd.window_right = int(right);
+  bp.fwd.kv_offset = int(lk - lq);
+  bp.fwd.d = bp.fwd.dv = int(d);
+  sparse_attn::DeviceInfo dev;
+  dev.cc = 90;
+  dev.sms = int(sms);
+  return sparse_attn::plan_bwd_head_splits(bp, dev, int(block_m));
 }
 
 // The visibility bits the Hopper block-sparse backward's consumer threads read per tile
@@ -211,6 +235,11 @@ TORCH_LIBRARY(sparse_attn, m) {
       &sparse_attn::explain_kvcache);
   m.def("_ordered_bwd_walk(int lq, int lk, int left, int right, int heads, int block_m=64) -> Tensor",
         &ordered_bwd_walk);
+  m.def(
+      "_bwd_head_splits(int b, int h, int h_kv, int lq, int lk, int left, int right, int d, int sms, int "
+      "block_m) "
+      "-> int",
+      &bwd_head_splits);
   m.def(
       "_block_bwd_visible_bits(Tensor partial_masks, int q_block, int lk, int n_block, int pid, int qrow0, "
       "int m0) "
