@@ -11,8 +11,10 @@
 //   P^T, dS^T in registers; dV += P^T dO and dK += dS^T Q (wgmma with A from registers),
 //   dS written transposed (stmatrix) as the K-major A of dQ = dS K (B = K, MN-major),
 // each consumer computing half of dQ's columns (128-row tiles: every column of its 64 rows) over
-// all 128 keys and adding it to the fp32 accumulator by vector reductions. Per tile the products are issued so that the exponentials of
-// P^T run under dP^T, dS^T under dV, and dQ's reductions under dK.
+// all 128 keys and adding it to the fp32 accumulator by vector reductions. Per tile the products
+// are issued so that the exponentials of P^T run under dP^T, dS^T under dV, and dQ's reductions
+// under dK. With GQA, a key block's query heads may be shared by head_splits CTAs, which add dK
+// and dV in fp32 (AttnBwdParams::head_splits).
 //
 // Shared memory is 128-byte swizzled as in the forward (flash_fwd_sm90.cuh): a tile of R rows and
 // D columns is D / 64 column blocks of R rows x 128 bytes, each 1024-byte aligned.
