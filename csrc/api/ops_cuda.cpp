@@ -372,7 +372,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
       bp.head_group = heads_within(int64_t(32) << 20, qdo_bytes);
     } else if (variant == Variant::kWindow && bp.fwd.window_left < 0 && bp.fwd.window_right >= 0) {
       // Causal-type windows, heaviest key blocks first: a group's Q and dO about 16 MiB, a share of L2.
-      bp.head_group = heads_within(int64_t(16) << 20, qdo_bytes * (s.h / s.h_kv) / bp.head_splits);
+      bp.head_group = bwd_causal_head_group(bp.fwd, bp.head_splits);
     }
     at::Tensor dk_split, dv_split;
     bp.dk_accum = bp.dv_accum = nullptr;

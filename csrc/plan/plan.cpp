@@ -182,6 +182,12 @@ namespace {
 int bwd_head_splits_model(const AttnBwdParams& bp, const DeviceInfo& dev, int block_m);
 }  // namespace
 
+int bwd_causal_head_group(const AttnFwdParams& p, int head_splits) {
+  const int64_t units = int64_t(p.b) * p.h_kv * head_splits;
+  const int64_t bytes = int64_t(p.lq) * (p.d + p.dv) * 2 * (p.h_per_kv / head_splits);  // 16-bit Q, dO
+  return int(std::clamp<int64_t>((int64_t(16) << 20) / std::max<int64_t>(1, bytes), 1, units));
+}
+
 int plan_bwd_head_splits(const AttnBwdParams& bp, const DeviceInfo& dev, int block_m) {
   const AttnFwdParams& p = bp.fwd;
   const int group = p.h_per_kv;
@@ -247,10 +253,7 @@ int bwd_head_splits_model(const AttnBwdParams& bp, const DeviceInfo& dev, int bl
     const int64_t units = kvs * splits;
     const int64_t per = group / splits;
     const double extra = 0.5 + (splits > 1 ? (p.d + p.dv) / 128.0 : 0.0);
-    const int64_t head_group =
-        causal_type
-            ? std::clamp<int64_t>((int64_t(16) << 20) / std::max<int64_t>(1, qdo_bytes * per), 1, units)
-            : 0;
+    const int64_t head_group = causal_type ? bwd_causal_head_group(p, splits) : 0;
     std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
     for (int i = 0; i < dev.sms; ++i) free_at.push(0.0);
     const auto run = [&](int n) {

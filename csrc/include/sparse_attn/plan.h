@@ -187,8 +187,14 @@ GatherPlan plan_gather(const AttnFwdParams& params, const DeviceInfo& device);
 // (AttnBwdParams::head_splits; a power of two dividing h_per_kv). One CTA walks a key block over
 // every head of the group: where few (batch, kv head)s hold many query heads, the heaviest walk
 // (a causal mask's first key block) is a large share of an SM's load and the grid's last CTAs run
-// it alone. Split until it is at most a quarter of the mean load per SM.
+// it alone. Split where a model of the grid's tail gains 10 %, and for causal-type masks until the
+// group's Q and dO fit 32 MiB (plan.cpp).
 int plan_bwd_head_splits(const AttnBwdParams& params, const DeviceInfo& device, int block_m);
+
+// The Hopper backward's head groups for causal-type masks (AttnBwdParams::head_group): as many of
+// the grid's y units ((batch, kv head, split), head_splits per kv head) as keep their Q and dO
+// within 16 MiB.
+int bwd_causal_head_group(const AttnFwdParams& params, int head_splits);
 
 struct SelectPlan {
   bool tensor_core_scoring = false;  // topk_score fills the workspace 64-row query tiles at a time
