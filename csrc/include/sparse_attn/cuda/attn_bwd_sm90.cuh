@@ -450,9 +450,10 @@ cudaError_t launch_attn_bwd_sm90(const AttnBwdParams& params, cudaStream_t strea
   if (params.head_splits < 1 || ((Tr::kOrdered || Tr::kVariant != Variant::kWindow) && params.head_splits != 1) ||
       p.h_per_kv % params.head_splits != 0 || (params.head_splits > 1 && params.dk_accum == nullptr))
     return cudaErrorInvalidValue;
-  const dim3 grid((p.lk + Tr::kBlockN - 1) / Tr::kBlockN, int64_t(p.b) * p.h_kv * params.head_splits);
+  const int64_t units = int64_t(p.b) * p.h_kv * params.head_splits;  // (batch, kv head, split)
+  if (units > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid((p.lk + Tr::kBlockN - 1) / Tr::kBlockN, unsigned(units));
   if (grid.x == 0 || grid.y == 0) return cudaSuccess;
-  if (int64_t(p.b) * p.h_kv * params.head_splits > 65535) return cudaErrorInvalidConfiguration;
   AttnBwdSm90Args args;
   args.bp = params;
   SA_CUDA_TRY(encode_bhld_tma(&args.tma_q, p.q, 2, p.d, p.lq, p.h, p.b, p.q_row_stride, p.q_head_stride,
