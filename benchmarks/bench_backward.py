@@ -9,6 +9,7 @@ Ratios (`vs cudnn`, `vs flex`, ...) are the other's time over ours from the same
     python benchmarks/bench_backward.py                       # every table at the default sizes
     python benchmarks/bench_backward.py --tables flash --lengths 4096 8192
     python benchmarks/bench_backward.py --tables gqa          # GQA / MQA shapes of real models
+    python benchmarks/bench_backward.py --tables gqa_block_sparse   # block-sparse masks with GQA / MQA
 """
 
 from __future__ import annotations
@@ -158,21 +159,27 @@ def gqa_table(args, dev) -> list[str]:
     return lines
 
 
-def block_sparse_table(args, dev) -> list[str]:
-    flex = flex_fn(dev)
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    length, h = args.sparse_length, args.heads
+def flex_mask_mods(length: int, dev, percents=(5, 10, 25, 50)) -> dict:
+    """The block-sparse tables' masks as Flex mask_mods: random blocks, windows, Longformer."""
     nb = length // 128
     gen = torch.Generator().manual_seed(0)
     mods = {}
-    for pct in (5, 10, 25, 50):
+    for pct in percents:
         blocks = (torch.rand(nb, nb, generator=gen) < pct / 100) | torch.eye(nb, dtype=torch.bool)
         blocks = blocks.to(dev)
         mods[f"random {pct}%"] = lambda b_, h_, qi, kv, blocks=blocks: blocks[qi // 128, kv // 128]
     mods["window 1024"] = lambda b_, h_, qi, kv: (qi - kv).abs() < 1024
     mods["window 1024 causal"] = lambda b_, h_, qi, kv: (qi >= kv) & (qi - kv < 1024)
     mods["longformer w=512 g=64"] = lambda b_, h_, qi, kv: ((qi - kv).abs() < 512) | (qi < 64) | (kv < 64)
+    return mods
+
+
+def block_sparse_table(args, dev) -> list[str]:
+    flex = flex_fn(dev)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    length, h = args.sparse_length, args.heads
+    mods = flex_mask_mods(length, dev)
     lines = []
     for d in args.sparse_head_dims:
         q, k, v = qkv(args.batch, h, h, length, d, dev, seed=1)
@@ -203,6 +210,56 @@ def block_sparse_table(args, dev) -> list[str]:
             )
             print(lines[-1], flush=True)
         lines.append("")
+    return lines
+
+
+GQA_SPARSE_SHAPES = [(2, 16, 2, 128), (1, 16, 1, 128), (2, 16, 2, 64), (2, 32, 8, 128)]
+
+
+def gqa_block_sparse_table(args, dev) -> list[str]:
+    """Block-sparse backward with GQA / MQA: the plan's head splits against one CTA per key block
+    (the bwd_head_splits override at 1) and Flex (enable_gqa) on the identical mask."""
+    flex = flex_fn(dev)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    length = args.sparse_length
+    mods = flex_mask_mods(length, dev, percents=(10,))
+    mods["documents of 2048, causal"] = lambda b_, h_, qi, kv: (qi >= kv) & (qi // 2048 == kv // 2048)
+    lines = [
+        f"L={length} bf16; `1 CTA` = every key block's whole group walked by one CTA (the override at 1)",
+        "",
+        "| B | H | Hkv | D | pattern | splits | ours ms | 1 CTA ms | flex ms | vs 1 CTA | vs flex |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    splits = torch.ops.sparse_attn._bwd_head_splits
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for b, h, hkv, d in GQA_SPARSE_SHAPES:
+        q, k, v = qkv(b, h, hkv, length, d, dev, seed=h + hkv)
+        planned = splits(b, h, hkv, length, length, -1, -1, d, sms, 64, block_sparse=True)
+        for name, mod in mods.items():
+            fbm = create_block_mask(mod, None, None, length, length, device=dev)
+            mask = BlockSparseMask.from_flex(fbm)
+            ours = backward_fn(lambda a, b_, c, mask=mask: sparse_attn.block_sparse_attention(a, b_, c, mask), q, k, v)
+
+            def one_cta(fn=ours):
+                with sparse_attn._plan.overrides(bwd_head_splits=1):
+                    return fn()
+
+            fns = {"ours": ours, "one": one_cta}
+            if not args.no_flex:
+                fns["flex"] = backward_fn(
+                    lambda a, b_, c, fbm=fbm: flex(a, b_, c, block_mask=fbm, enable_gqa=True), q, k, v
+                )
+            t = time_rounds(fns, dev, rounds=args.rounds)
+            ms = {n: sorted(x)[len(x) // 2] for n, x in t.items()}
+            vs_flex = f"{ratio_median(t['flex'], t['ours']):.2f}" if "flex" in t else "-"
+            flex_ms = f"{ms['flex']:.3f}" if "flex" in ms else "-"
+            lines.append(
+                f"| {b} | {h} | {hkv} | {d} | {name} | {planned} | {ms['ours']:.3f} | {ms['one']:.3f} | {flex_ms} | "
+                f"{ratio_median(t['one'], t['ours']):.2f} | {vs_flex} |"
+            )
+            print(lines[-1], flush=True)
+        del q, k, v
     return lines
 
 
@@ -277,7 +334,9 @@ def topk_table(args, dev) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tables", nargs="+", default=["flash", "gqa", "block_sparse", "topk", "memory"])
+    parser.add_argument(
+        "--tables", nargs="+", default=["flash", "gqa", "block_sparse", "gqa_block_sparse", "topk", "memory"]
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--batch", type=int, default=2)
@@ -301,6 +360,8 @@ def main(argv=None) -> int:
         out += ["## flash backward, GQA and MQA (B, H, Hkv as given)", ""] + gqa_table(args, dev) + [""]
     if "block_sparse" in args.tables:
         out += ["## block-sparse backward", ""] + block_sparse_table(args, dev) + [""]
+    if "gqa_block_sparse" in args.tables:
+        out += ["## block-sparse backward, GQA and MQA", ""] + gqa_block_sparse_table(args, dev) + [""]
     if "topk" in args.tables:
         out += ["## top-k backward", ""] + topk_table(args, dev) + [""] + atomic_table(dev) + [""]
     if "memory" in args.tables:

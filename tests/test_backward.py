@@ -416,12 +416,56 @@ def test_cuda_backward_with_head_splits(d):
                         torch.testing.assert_close(a.float(), f.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_block_sparse_backward_with_head_splits(d):
+    """GQA 8:1 and 4:1 (Lq != Lk) block-sparse masks of 128-key blocks, one mask for all heads and
+    one per head, with global tokens (a heavy key block), partial blocks and ragged ends: the Hopper
+    backward with each key block's query heads shared by 1, 2, 4 or 8 CTAs (bwd_head_splits) and
+    the plan's choice, against fp32 autograd of the reference on the mask's elements."""
+    for b, h, hkv, lq, lk in ((2, 16, 2, 900, 900), (1, 8, 2, 700, 1000)):
+        q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=torch.bfloat16, seed=lq + d, device="cuda")
+        g = torch.randn(b, h, lq, d, generator=torch.Generator().manual_seed(9)).bfloat16().cuda()
+        if lq == lk:
+            masks = [
+                patterns.random_blocks(lq, 0.3, seed=3, heads=h, block_size=128),
+                patterns.longformer(lq, 70, [0, 3, 500]),
+            ]
+        else:  # an element mask per head: partial blocks, rows that see nothing
+            gen = torch.Generator().manual_seed(5)
+            elements = torch.rand(1, h, lq, lk, generator=gen) < 0.02
+            elements[..., :, :40] = True  # global keys
+            elements[:, :, 300:340] = False
+            masks = [sparse_attn.BlockSparseMask.from_element_mask(elements)]
+        for mask in masks:
+            on_device = mask.to("cuda")
+            dense = mask.to_dense().cuda()
+            fn = lambda a, b_, c, m=on_device: sparse_attn.block_sparse_attention(a, b_, c, m, return_lse=True)  # noqa: E731
+            ref = lambda a, b_, c, m=dense: reference.attention(a, b_, c, mask=m, dtype=torch.float32)  # noqa: E731
+            gold = _grads(ref, q, k, v, g)
+            first = None
+            for splits in (0, 1, 2, 4, 8):
+                with sparse_attn._plan.overrides(bwd_head_splits=splits):
+                    ours = _grads(fn, q, k, v, g)
+                for what, a, r in zip(("dq", "dk", "dv"), ours, gold, strict=True):
+                    assert torch.isfinite(a).all(), (splits, what)
+                    torch.testing.assert_close(
+                        a.float(), r.float(), atol=2e-2, rtol=2e-2, msg=lambda m, w=what, s_=splits: f"{s_} {w}: {m}"
+                    )
+                if first is None:
+                    first = ours
+                else:
+                    for a, f in zip(ours, first, strict=True):
+                        torch.testing.assert_close(a.float(), f.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_backward_head_splits_plan():
     """plan_bwd_head_splits (run on the host by a private op, a 132-SM Hopper): one CTA per key block
     for MHA, non-causal grids and many (batch, kv head)s; a causal MQA or few-K/V-head grid at 8k
     shares each key block's heads over several CTAs (a divisor of the group), as does a causal group
     whose Q and dO pass 32 MiB at 16k; the bwd_head_splits override wins (capped at a divisor of
-    the group); asking again gives the same answer (the per-shape cache)."""
+    the group); asking again gives the same answer (the per-shape cache). The block-sparse rule
+    (plan_bwd_block_sparse_head_splits) by group size and grid."""
     splits = torch.ops.sparse_attn._bwd_head_splits
 
     def plan(b, h, hkv, length, d=128, causal=True, sms=132):
@@ -441,6 +485,19 @@ def test_backward_head_splits_plan():
         assert plan(2, 16, 16, 8192) == 1
     with sparse_attn._plan.overrides(bwd_head_splits=64):
         assert plan(1, 16, 1, 8192) == 16
+
+    def block_plan(b, h, hkv, length, sms=132):
+        return splits(b, h, hkv, length, length, -1, -1, 128, sms, 64, block_sparse=True)
+
+    # Block-sparse masks: groups of 8+ heads on grids of at most ~4 waves of key blocks walk two
+    # heads per CTA (at most 8 CTAs per group); smaller groups and larger grids keep one CTA.
+    assert block_plan(2, 16, 2, 16384) == 4
+    assert block_plan(1, 16, 1, 16384) == 8 and block_plan(1, 64, 1, 16384) == 8
+    assert block_plan(2, 32, 8, 16384) == 1  # groups of 4
+    assert block_plan(8, 16, 2, 16384) == 1  # 16 waves of key blocks
+    assert block_plan(2, 16, 16, 16384) == 1  # MHA
+    with sparse_attn._plan.overrides(bwd_head_splits=2):
+        assert block_plan(8, 32, 8, 16384) == 2
 
 
 def test_ordered_backward_walks_visit_each_tile_once_in_key_order():

@@ -61,9 +61,10 @@ at::Tensor ordered_bwd_walk(int64_t lq, int64_t lk, int64_t left, int64_t right,
 }
 
 // plan_bwd_head_splits for a flash backward of these sizes (window bounds as in AttnFwdParams,
-// bottom-right aligned) on a device of `sms` SMs, for the CPU tests.
+// bottom-right aligned) on a device of `sms` SMs, for the CPU tests; with block_sparse,
+// plan_bwd_block_sparse_head_splits for a mask of 128-key blocks (the bounds unused).
 int64_t bwd_head_splits(int64_t b, int64_t h, int64_t h_kv, int64_t lq, int64_t lk, int64_t left,
-                        int64_t right, int64_t d, int64_t sms, int64_t block_m) {
+                        int64_t right, int64_t d, int64_t sms, int64_t block_m, bool block_sparse) {
   TORCH_CHECK(b > 0 && h_kv > 0 && h > 0 && h % h_kv == 0 && lq > 0 && lk > 0 && lq <= (1 << 24) &&
                   lk <= (1 << 24) && d > 0 && d <= 256 && sms > 0 && (block_m == 64 || block_m == 128),
               "_bwd_head_splits: sizes out of range");
@@ -81,6 +82,7 @@ int64_t bwd_head_splits(int64_t b, int64_t h, int64_t h_kv, int64_t lq, int64_t 
   sparse_attn::DeviceInfo dev;
   dev.cc = 90;
   dev.sms = int(sms);
+  if (block_sparse) return sparse_attn::plan_bwd_block_sparse_head_splits(bp, dev);
   return sparse_attn::plan_bwd_head_splits(bp, dev, int(block_m));
 }
 
@@ -237,8 +239,7 @@ TORCH_LIBRARY(sparse_attn, m) {
         &ordered_bwd_walk);
   m.def(
       "_bwd_head_splits(int b, int h, int h_kv, int lq, int lk, int left, int right, int d, int sms, int "
-      "block_m) "
-      "-> int",
+      "block_m, bool block_sparse=False) -> int",
       &bwd_head_splits);
   m.def(
       "_block_bwd_visible_bits(Tensor partial_masks, int q_block, int lk, int n_block, int pid, int qrow0, "

@@ -188,15 +188,23 @@ int bwd_causal_head_group(const AttnFwdParams& p, int head_splits) {
   return int(std::clamp<int64_t>((int64_t(16) << 20) / std::max<int64_t>(1, bytes), 1, units));
 }
 
+namespace {
+// The bwd_head_splits override, capped at a divisor of the group that keeps the grid's y in range;
+// 0 when none is set.
+int forced_head_splits(const AttnFwdParams& p) {
+  const int forced = plan_options().bwd_head_splits;
+  if (forced <= 0) return 0;
+  const int group = p.h_per_kv;
+  int splits = std::min(forced, std::max(group, 1));
+  while (splits > 1 && (group % splits != 0 || int64_t(p.b) * p.h_kv * splits > 65535)) --splits;
+  return std::max(splits, 1);
+}
+}  // namespace
+
 int plan_bwd_head_splits(const AttnBwdParams& bp, const DeviceInfo& dev, int block_m) {
   const AttnFwdParams& p = bp.fwd;
   const int group = p.h_per_kv;
-  const int64_t kvs = int64_t(p.b) * p.h_kv;
-  if (const int forced = plan_options().bwd_head_splits; forced > 0) {
-    int splits = std::min(forced, std::max(group, 1));
-    while (splits > 1 && (group % splits != 0 || kvs * splits > 65535)) --splits;
-    return std::max(splits, 1);
-  }
+  if (const int forced = forced_head_splits(p); forced > 0) return forced;
   if (group <= 1 || dev.sms <= 0 || p.lk <= 0 || p.lq <= 0) return 1;
   // The model below takes ~0.1-0.3 ms of host time at 2k-8k: once per shape (a training step's
   // shapes repeat), the answers kept (at most 4096 of them).
@@ -213,6 +221,24 @@ int plan_bwd_head_splits(const AttnBwdParams& bp, const DeviceInfo& dev, int blo
   const std::lock_guard<std::mutex> lock(mutex);
   if (known.size() >= 4096) known.clear();
   known.emplace(key, splits);
+  return splits;
+}
+
+int plan_bwd_block_sparse_head_splits(const AttnBwdParams& bp, const DeviceInfo& dev) {
+  const AttnFwdParams& p = bp.fwd;
+  if (const int forced = forced_head_splits(p); forced > 0) return forced;
+  // The lists are on the GPU, so the host cannot model each key block's walk as
+  // plan_bwd_head_splits does. Measured instead (H200, 16k, D = 64 and 128, forced counts over
+  // random 10 %, Longformer, causal, causal documents and causal-window masks; docs/PERF_LOG.md):
+  // groups of 8 or more query heads on grids of at most ~4 waves of key blocks gain from walks of
+  // two heads per CTA (Longformer's global key block 3-8x, random 1.08-1.30x, causal documents
+  // 1.07-1.34x, causal 1.02-1.71x; a uniform causal band loses 4-10 %), groups of 4 and larger
+  // grids gain little or lose (the fp32 dK, dV reductions of every CTA).
+  const int group = p.h_per_kv;
+  const int64_t kvs = int64_t(p.b) * p.h_kv, nkb = (int64_t(p.lk) + 127) / 128;
+  if (group < 8 || dev.sms <= 0 || kvs * nkb > 4 * int64_t(dev.sms)) return 1;
+  int splits = std::min(group / 2, 8);
+  while (splits > 1 && (group % splits != 0 || kvs * splits > 65535)) --splits;
   return splits;
 }
 

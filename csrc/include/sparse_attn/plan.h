@@ -191,6 +191,10 @@ GatherPlan plan_gather(const AttnFwdParams& params, const DeviceInfo& device);
 // group's Q and dO fit 32 MiB (plan.cpp).
 int plan_bwd_head_splits(const AttnBwdParams& params, const DeviceInfo& device, int block_m);
 
+// The same for block-sparse masks, whose transposed lists (bwd_host.cu) are on the GPU: a rule by
+// the group's size and the grid's (plan.cpp).
+int plan_bwd_block_sparse_head_splits(const AttnBwdParams& params, const DeviceInfo& device);
+
 // The Hopper backward's head groups for causal-type masks (AttnBwdParams::head_group): as many of
 // the grid's y units ((batch, kv head, split), head_splits per kv head) as keep their Q and dO
 // within 16 MiB.

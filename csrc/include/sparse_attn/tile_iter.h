@@ -392,6 +392,7 @@ struct BlockSparseQTiles {
   const int32_t* masks;
   int64_t head_stride;  // of cnt over the query heads
   int heads, nqb, sub, q_block, kv_block, words, lk, n0, kb;
+  int h_begin = 0;  // query heads [h_begin, heads) of the group (split_heads)
 
   SA_HD BlockSparseQTiles(const AttnBwdParams& bp, int bidb, int hk, int n_block)
       : masks(bp.fwd.partial_masks),
@@ -432,8 +433,14 @@ struct BlockSparseQTiles {
     }
     return false;
   }
+  // Only the i-th of n equal shares of the group's query heads (AttnBwdParams::head_splits).
+  SA_HD void split_heads(int i, int n) {
+    const int per = heads / n;
+    h_begin = i * per;
+    heads = h_begin + per;
+  }
   SA_HD bool start(QTilePos& s) const {
-    s = QTilePos{0, 0, -1, 0, 0, 0, 0};
+    s = QTilePos{h_begin, 0, -1, 0, 0, 0, 0};
     return first_head_from(s);
   }
   SA_HD bool advance(QTilePos& s) const {

@@ -48,6 +48,7 @@ template <ScalarKind kDtype_, int kHeadDim_, Variant kVariant_, DqMode kDqMode_>
 struct AttnBwdSm90Traits {
   static constexpr bool kDq = kDqMode_ != DqMode::kNone;
   static constexpr bool kOrdered = kDqMode_ == DqMode::kOrdered;
+  static constexpr DqMode kDqMode = kDqMode_;
   static_assert(!kOrdered || kVariant_ == Variant::kWindow);
   static constexpr Variant kVariant = kVariant_;
   static constexpr ScalarKind kDtype = kDtype_;
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
   const int b = bkv / p.h_kv, hk = bkv % p.h_kv;
   const int n0 = n_block * kBlockN;
   typename Tr::QTiles tiles(bp, b, hk, n_block);
-  if constexpr (Tr::kVariant == Variant::kWindow && !Tr::kOrdered) {
+  if constexpr (Tr::kDqMode == DqMode::kAtomic) {
     if (bp.head_splits > 1) tiles.split_heads(split, bp.head_splits);
   }
   QTilePos first;
@@ -447,7 +448,7 @@ template <typename Tr>
 cudaError_t launch_attn_bwd_sm90(const AttnBwdParams& params, cudaStream_t stream) {
   const AttnFwdParams& p = params.fwd;
   if (Tr::kVariant == Variant::kBlockSparse && p.kv_block != Tr::kBlockN) return cudaErrorInvalidValue;
-  if (params.head_splits < 1 || ((Tr::kOrdered || Tr::kVariant != Variant::kWindow) && params.head_splits != 1) ||
+  if (params.head_splits < 1 || (Tr::kDqMode != DqMode::kAtomic && params.head_splits != 1) ||
       p.h_per_kv % params.head_splits != 0 || (params.head_splits > 1 && params.dk_accum == nullptr))
     return cudaErrorInvalidValue;
   const int64_t units = int64_t(p.b) * p.h_kv * params.head_splits;  // (batch, kv head, split)
