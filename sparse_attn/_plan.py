@@ -586,9 +586,9 @@ def overrides(**changes):
     - ``select_filter_stride=n``: top-k selection filtered on chip with a sample of every n-th
       key tile (where the kernels can take it), ``-1``: never filtered (the scores then go
       through the workspace).
-    - ``bwd_head_splits=n``: the Hopper backward of flash and block-sparse attention with each
-      key block's GQA group of query heads shared by n CTAs (a divisor of the group; capped at
-      it), dK and dV summed in fp32 (not in deterministic mode);
+    - ``bwd_head_splits=n``: the tensor-core backward (Hopper or portable) of flash and
+      block-sparse attention with each key block's GQA group of query heads shared by n CTAs (a
+      divisor of the group; capped at it), dK and dV summed in fp32 (not in deterministic mode);
     - ``topk_attention_route="gather"`` or ``"masked_block"``: how topk_attention attends over
       a selection of its own (selection_route; Python-side).
 

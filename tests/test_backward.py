@@ -386,12 +386,13 @@ def test_cuda_causal_backward_over_head_groups_and_long_walks(portable):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("portable", [False, True], ids=["plan", "portable"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_backward_with_head_splits(d):
-    """GQA 8:1 (and 4:1 with Lq != Lk), causal, a window and dense: the Hopper backward with each
-    key block's group of query heads shared by 1, 2, 4 or 8 CTAs (bwd_head_splits; dK and dV then
-    summed in fp32 across them), and the plan's own choice, against fp32 autograd of the reference;
-    the split counts agree with each other to fp32 summation order."""
+def test_cuda_backward_with_head_splits(d, portable):
+    """GQA 8:1 (and 4:1 with Lq != Lk), causal, a window and dense: the backward (the Hopper kernel,
+    or the portable one) with each key block's group of query heads shared by 1, 2, 4 or 8 CTAs
+    (bwd_head_splits; dK and dV then summed in fp32 across them), and the plan's own choice, against
+    fp32 autograd of the reference; the split counts agree with each other to fp32 summation order."""
     for b, h, hkv, lq, lk in ((2, 16, 2, 700, 700), (1, 8, 2, 500, 640)):
         q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=torch.bfloat16, seed=lq + d, device="cuda")
         g = torch.randn(b, h, lq, d, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
@@ -402,7 +403,7 @@ def test_cuda_backward_with_head_splits(d):
             gold = _grads(ref, q, k, v, g)
             first = None
             for splits in (0, 1, 2, 4, 8):
-                with sparse_attn._plan.overrides(bwd_head_splits=splits):
+                with sparse_attn._plan.overrides(bwd_head_splits=splits, portable_only=portable):
                     ours = _grads(fn, q, k, v, g)
                 for what, a, ref in zip(("dq", "dk", "dv"), ours, gold, strict=True):
                     assert torch.isfinite(a).all(), (splits, what)
@@ -417,12 +418,14 @@ def test_cuda_backward_with_head_splits(d):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("portable", [False, True], ids=["plan", "portable"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_block_sparse_backward_with_head_splits(d):
+def test_cuda_block_sparse_backward_with_head_splits(d, portable):
     """GQA 8:1 and 4:1 (Lq != Lk) block-sparse masks of 128-key blocks, one mask for all heads and
-    one per head, with global tokens (a heavy key block), partial blocks and ragged ends: the Hopper
-    backward with each key block's query heads shared by 1, 2, 4 or 8 CTAs (bwd_head_splits) and
-    the plan's choice, against fp32 autograd of the reference on the mask's elements."""
+    one per head, with global tokens (a heavy key block), partial blocks and ragged ends: the
+    backward (Hopper or portable kernel) with each key block's query heads shared by 1, 2, 4 or 8
+    CTAs (bwd_head_splits) and the plan's choice, against fp32 autograd of the reference on the
+    mask's elements."""
     for b, h, hkv, lq, lk in ((2, 16, 2, 900, 900), (1, 8, 2, 700, 1000)):
         q, k, v = make_qkv(b, h, hkv, lq, lk, d, dtype=torch.bfloat16, seed=lq + d, device="cuda")
         g = torch.randn(b, h, lq, d, generator=torch.Generator().manual_seed(9)).bfloat16().cuda()
@@ -445,7 +448,7 @@ def test_cuda_block_sparse_backward_with_head_splits(d):
             gold = _grads(ref, q, k, v, g)
             first = None
             for splits in (0, 1, 2, 4, 8):
-                with sparse_attn._plan.overrides(bwd_head_splits=splits):
+                with sparse_attn._plan.overrides(bwd_head_splits=splits, portable_only=portable):
                     ours = _grads(fn, q, k, v, g)
                 for what, a, r in zip(("dq", "dk", "dv"), ours, gold, strict=True):
                     assert torch.isfinite(a).all(), (splits, what)

@@ -351,9 +351,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
     }
     // GQA with few (batch, kv head)s: a key block's walk over the group's heads shared by
     // head_splits CTAs (plan_bwd_head_splits), their dK and dV summed in fp32.
-    bp.head_splits = !hopper || deterministic ? 1
+    bp.head_splits = deterministic ? 1
                      : variant == Variant::kWindow
-                         ? plan_bwd_head_splits(bp, dev, padded_head_dim(s.d) == 64 ? 128 : 64)
+                         ? plan_bwd_head_splits(bp, dev, hopper && padded_head_dim(s.d) == 64 ? 128 : 64)
                          : plan_bwd_block_sparse_head_splits(bp, dev);
     const int64_t units = s.b * s.h_kv * bp.head_splits;  // the grid's y
     // CTAs in head groups (bwd_tile_of_cta: key block by key block over head_group units of the

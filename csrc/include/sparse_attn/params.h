@@ -127,7 +127,7 @@ struct AttnBwdParams {
   // head_group (batch, kv head)s, each group's key blocks in ascending order (heaviest first) over
   // its heads (bwd_tile_of_cta). 0: the grid's order.
   int head_group;
-  // Hopper kernel: each (batch, kv head)'s key block runs as head_splits CTAs, each over
+  // Tensor-core kernels: each (batch, kv head)'s key block runs as head_splits CTAs, each over
   // h_per_kv / head_splits of its query heads (plan_bwd_head_splits), which add scale * dK and dV
   // into dk_accum / dv_accum (fp32, zeroed) when head_splits > 1. The grid's y is (batch, kv head,
   // split), split fastest (plan_bwd_block_sparse_head_splits for block-sparse masks).

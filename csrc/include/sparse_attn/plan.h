@@ -182,7 +182,7 @@ struct GatherPlan {
 // gather_fwd: attention over each query's listed keys (params.indices).
 GatherPlan plan_gather(const AttnFwdParams& params, const DeviceInfo& device);
 
-// The Hopper backward of the dense family (reductions in any order, query tiles of block_m rows):
+// The tensor-core backward of the dense family (reductions in any order, query tiles of block_m rows):
 // how many CTAs share each key block's walk over its GQA group's query heads
 // (AttnBwdParams::head_splits; a power of two dividing h_per_kv). One CTA walks a key block over
 // every head of the group: where few (batch, kv head)s hold many query heads, the heaviest walk

@@ -184,7 +184,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 256 / Tr::kNThreads)
   const int g = lane / 4, t = lane % 4, r8 = lane % 8;
   int n_block, by;
   bwd_tile_of_cta(bp, blockIdx.x, blockIdx.y, gridDim.x, gridDim.y, n_block, by);
-  const int b = by / p.h_kv, hk = by % p.h_kv;
+  const int split = by % bp.head_splits, bkv = by / bp.head_splits;  // (batch, kv head, split)
+  const int b = bkv / p.h_kv, hk = bkv % p.h_kv;
   const int n0 = n_block * kBlockN;
   const Element* k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
   const Element* v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
@@ -192,7 +193,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 256 / Tr::kNThreads)
   load_tile<Tr, kBlockN>(sV, v + int64_t(n0) * p.v_row_stride, p.v_row_stride, p.lk - n0, p.dv, tid);
   cp_async_commit();
 
-  const typename Tr::QTiles tiles(bp, b, hk, n_block);
+  typename Tr::QTiles tiles(bp, b, hk, n_block);
+  if (bp.head_splits > 1) tiles.split_heads(split, bp.head_splits);
   // Q, dO, lse_log2 and delta of query tile `s` into buffer `buf`.
   auto load_q = [&](const QTilePos& s, int buf) {
     const int h = hk * p.h_per_kv + s.hl, m0 = s.m_block * kBlockM;
@@ -316,7 +318,14 @@ __global__ void __launch_bounds__(Tr::kNThreads, 256 / Tr::kNThreads)
   }
   cp_async_wait<0>();
 
-  // dK = scale * sum dS^T Q, dV = sum P^T dO (16 keys per warp).
+  // dK = scale * sum dS^T Q, dV = sum P^T dO (16 keys per warp); a share of the group's heads
+  // adds them in fp32.
+  if (bp.head_splits > 1) {
+    const int64_t kv = int64_t(b) * p.h_kv + hk;
+    red_rows(bp.dk_accum + kv * p.lk * p.d, p.d, key_row, p.lk, p.d, acc_dk, p.scale, t);
+    red_rows(bp.dv_accum + kv * p.lk * p.dv, p.dv, key_row, p.lk, p.dv, acc_dv, 1.f, t);
+    return;
+  }
   Element* dk = static_cast<Element*>(bp.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * p.d;
   Element* dv = static_cast<Element*>(bp.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * p.dv;
   store_rows<Tr::kDtype>(dk, p.d, key_row, p.lk, p.d, acc_dk, p.scale, t);
@@ -333,9 +342,14 @@ namespace sparse_attn {
 namespace cuda {
 template <typename Tr>
 cudaError_t launch_attn_bwd(const AttnBwdParams& params, cudaStream_t stream) {
-  const dim3 grid((params.fwd.lk + Tr::kBlockN - 1) / Tr::kBlockN, params.fwd.b * params.fwd.h_kv);
+  const AttnFwdParams& p = params.fwd;
+  if (params.head_splits < 1 || (params.dq_separate && params.head_splits != 1) ||
+      p.h_per_kv % params.head_splits != 0 || (params.head_splits > 1 && params.dk_accum == nullptr))
+    return cudaErrorInvalidValue;
+  const int64_t units = int64_t(p.b) * p.h_kv * params.head_splits;  // (batch, kv head, split)
+  if (units > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid((p.lk + Tr::kBlockN - 1) / Tr::kBlockN, unsigned(units));
   if (grid.x == 0 || grid.y == 0) return cudaSuccess;
-  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
   auto kernel = cuda::attn_bwd_kernel<Tr>;
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<grid, Tr::kNThreads, Tr::kSmemBytes, stream>>>(params);
