@@ -385,6 +385,26 @@ def test_cuda_causal_backward_over_head_groups_and_long_walks(portable):
             torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=lambda m, w=what: f"{w}: {m}")
 
 
+def _check_head_splits(fn, ref, q, k, v, g, portable):
+    """fn's gradients with bwd_head_splits forced to 1, 2, 4, 8 and the plan's (0) against fp32
+    autograd of ref (the 2e-2 rule), and against each other to fp32 summation order."""
+    gold = _grads(ref, q, k, v, g)
+    first = None
+    for splits in (0, 1, 2, 4, 8):
+        with sparse_attn._plan.overrides(bwd_head_splits=splits, portable_only=portable):
+            ours = _grads(fn, q, k, v, g)
+        for what, a, r in zip(("dq", "dk", "dv"), ours, gold, strict=True):
+            assert torch.isfinite(a).all(), (splits, what)
+            torch.testing.assert_close(
+                a.float(), r.float(), atol=2e-2, rtol=2e-2, msg=lambda m, w=what, s_=splits: f"{s_} {w}: {m}"
+            )
+        if first is None:
+            first = ours
+        else:
+            for a, f in zip(ours, first, strict=True):
+                torch.testing.assert_close(a.float(), f.float(), atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("portable", [False, True], ids=["plan", "portable"])
 @pytest.mark.parametrize("d", [64, 128])
@@ -400,21 +420,7 @@ def test_cuda_backward_with_head_splits(d, portable):
             fn = lambda a, b_, c, kw=kwargs: sparse_attn.flash_attention(a, b_, c, return_lse=True, **kw)  # noqa: E731
             mask = band_mask(lq, lk, kwargs.get("causal", False), kwargs.get("window")).cuda()
             ref = lambda a, b_, c, m=mask: reference.attention(a, b_, c, mask=m, dtype=torch.float32)  # noqa: E731
-            gold = _grads(ref, q, k, v, g)
-            first = None
-            for splits in (0, 1, 2, 4, 8):
-                with sparse_attn._plan.overrides(bwd_head_splits=splits, portable_only=portable):
-                    ours = _grads(fn, q, k, v, g)
-                for what, a, ref in zip(("dq", "dk", "dv"), ours, gold, strict=True):
-                    assert torch.isfinite(a).all(), (splits, what)
-                    torch.testing.assert_close(
-                        a.float(), ref.float(), atol=2e-2, rtol=2e-2, msg=lambda m, w=what, s_=splits: f"{s_} {w}: {m}"
-                    )
-                if first is None:
-                    first = ours
-                else:
-                    for a, f in zip(ours, first, strict=True):
-                        torch.testing.assert_close(a.float(), f.float(), atol=1e-2, rtol=1e-2)
+            _check_head_splits(fn, ref, q, k, v, g, portable)
 
 
 @pytest.mark.cuda
@@ -445,21 +451,7 @@ def test_cuda_block_sparse_backward_with_head_splits(d, portable):
             dense = mask.to_dense().cuda()
             fn = lambda a, b_, c, m=on_device: sparse_attn.block_sparse_attention(a, b_, c, m, return_lse=True)  # noqa: E731
             ref = lambda a, b_, c, m=dense: reference.attention(a, b_, c, mask=m, dtype=torch.float32)  # noqa: E731
-            gold = _grads(ref, q, k, v, g)
-            first = None
-            for splits in (0, 1, 2, 4, 8):
-                with sparse_attn._plan.overrides(bwd_head_splits=splits, portable_only=portable):
-                    ours = _grads(fn, q, k, v, g)
-                for what, a, r in zip(("dq", "dk", "dv"), ours, gold, strict=True):
-                    assert torch.isfinite(a).all(), (splits, what)
-                    torch.testing.assert_close(
-                        a.float(), r.float(), atol=2e-2, rtol=2e-2, msg=lambda m, w=what, s_=splits: f"{s_} {w}: {m}"
-                    )
-                if first is None:
-                    first = ours
-                else:
-                    for a, f in zip(ours, first, strict=True):
-                        torch.testing.assert_close(a.float(), f.float(), atol=1e-2, rtol=1e-2)
+            _check_head_splits(fn, ref, q, k, v, g, portable)
 
 
 def test_backward_head_splits_plan():
