@@ -398,7 +398,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_fwd_kernel(__grid_consta
 // exp(lse_s), O = sum_s exp(lse_s - lse) O_s. Warp 0 turns the splits' LSEs into weights (shared
 // memory); then the threads share the row's 4-column slices, several threads per slice, each summing
 // a strided share of the splits with independent loads (the partials sit in L2: the sum is
-// latency-bound, so the loads go out together), the shares meeting in shared memory. (Merging in the
+// latency-bound, so the loads go out together, the first 16 before the weights are known), the
+// shares meeting in shared memory. (Merging in the
 // decode kernel instead, by the CTA that finishes a unit's splits last, measured slower: one CTA
 // then merges all of a unit's rows.)
 template <typename Element>
@@ -415,6 +416,19 @@ __global__ void __launch_bounds__(kDecodeCombineThreads)
   const int64_t row = blockIdx.x;
   const int64_t split_stride = int64_t(p.b) * p.h * p.lq;
   const int n_splits = p.num_splits;
+  const int cols4 = p.dv / 4, groups = kDecodeCombineThreads / cols4;  // threads per 4-column slice
+  const int c = tid % cols4, sg = tid / cols4;
+  const float* part = p.o_part + row * p.dv + 4 * c;
+  // The first kAhead of this thread's partials loaded before the weights are known: their L2
+  // round trip overlaps warp 0's (the LSEs').
+  constexpr int kAhead = 16;
+  float4 ahead[kAhead];
+#pragma unroll
+  for (int j = 0; j < kAhead; ++j) {
+    const int s = sg + j * groups;
+    ahead[j] = sg < groups && s < n_splits ? *reinterpret_cast<const float4*>(part + s * split_stride * p.dv)
+                                           : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   if (tid < 32) {
     constexpr int kPerLane = kDecodeMaxSplits / 32;
     float lse_s[kPerLane];
@@ -440,13 +454,18 @@ __global__ void __launch_bounds__(kDecodeCombineThreads)
     if (lane == 0) p.lse[row] = l == 0.f ? -INFINITY : ref + __logf(l);
   }
   __syncthreads();
-  const int cols4 = p.dv / 4, groups = kDecodeCombineThreads / cols4;  // threads per 4-column slice
-  const int c = tid % cols4, sg = tid / cols4;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   if (sg < groups) {
-    const float* part = p.o_part + row * p.dv + 4 * c;
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      const float w = weight[min(sg + j * groups, kDecodeMaxSplits - 1)];  // 0 past n_splits
+      acc.x += w * ahead[j].x;
+      acc.y += w * ahead[j].y;
+      acc.z += w * ahead[j].z;
+      acc.w += w * ahead[j].w;
+    }
 #pragma unroll 8
-    for (int s = sg; s < n_splits; s += groups) {
+    for (int s = sg + kAhead * groups; s < n_splits; s += groups) {
       const float4 v = *reinterpret_cast<const float4*>(part + s * split_stride * p.dv);
       acc.x += weight[s] * v.x;
       acc.y += weight[s] * v.y;
