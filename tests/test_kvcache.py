@@ -383,6 +383,13 @@ def test_explain_cpu():
     plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q.bfloat16(), long, long, lens, target="sm90")
     # 4 pairs, 396 CTA slots: 32 splits of the 128 key tiles (4 tiles each, the plan's minimum).
     assert plan.route == "decode_split_kv" and plan.launches[0].options["num_splits"] == 32, str(plan)
+    # 128 pairs give nearly every one of the 132 SMs a CTA: no split (64 pairs: split).
+    for b in (16, 8):
+        q16 = torch.zeros(b, 32, 1, 64, dtype=torch.bfloat16)
+        cache = torch.zeros(b, 8, 2048, 64, dtype=torch.bfloat16)
+        full = torch.full((b,), 2048, dtype=torch.int32)
+        plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q16, cache, cache, full, target="sm90")
+        assert (plan.launches[0].options["num_splits"] == 1) == (b == 16), (b, str(plan))
 
 
 def test_kvcache_topk_mask(device):

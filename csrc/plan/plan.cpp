@@ -518,7 +518,11 @@ DecodePlan plan_decode(const DecodeParams& p, const DeviceInfo& dev, const PlanO
   const int64_t wave = int64_t(dev.sms) * plan.ctas_per_sm;
   const int64_t chunk_rows = std::min<int64_t>(rows, 16 * plan.row_tiles);
   const int64_t cache_bytes = plan.est_key_tiles * kDecodeBlockN * (p.d + p.dv) * 2;
-  int64_t splits = std::max<int64_t>(wave / std::max<int64_t>(units, 1), 1);
+  // Where the units alone give (nearly) every SM a CTA, one CTA per SM already streams at full
+  // speed: splitting only adds the merge (H200, B = 16, 8k, Hkv = 8: 128 units, 127.5 us unsplit
+  // against 131.0 in 2 splits; docs/PERF_LOG.md).
+  int64_t splits =
+      10 * units >= 9 * int64_t(dev.sms) ? 1 : std::max<int64_t>(wave / std::max<int64_t>(units, 1), 1);
   splits = std::min<int64_t>({splits, plan.est_key_tiles / 4, cache_bytes / (chunk_rows * p.dv * 8), 64});
   if (options.decode_splits > 0) splits = std::min<int64_t>({options.decode_splits, plan.est_key_tiles, 128});
   plan.num_splits = int(std::max<int64_t>(splits, 1));
