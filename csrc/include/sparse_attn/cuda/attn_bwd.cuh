@@ -166,6 +166,24 @@ __device__ __forceinline__ void store_rows(typename ElementOf<kDtype>::type* out
   });
 }
 
+// A key tile's dK = scale * sum dS^T Q and dV = sum P^T dO (each thread's rows key_row and + 8 of
+// its m16 tiles) into the gradients of K/V head hk as 16-bit rows or, where head_splits CTAs share
+// the group's query heads, added to the fp32 accumulators.
+template <ScalarKind kDtype, int kNT>
+__device__ __forceinline__ void write_dk_dv(const AttnBwdParams& bp, int b, int hk, int key_row,
+                                            const float (&dk)[kNT][4], const float (&dv)[kNT][4], int t) {
+  const AttnFwdParams& p = bp.fwd;
+  const int64_t kv = int64_t(b) * p.h_kv + hk;
+  if (bp.head_splits > 1) {
+    red_rows(bp.dk_accum + kv * p.lk * p.d, p.d, key_row, p.lk, p.d, dk, p.scale, t);
+    red_rows(bp.dv_accum + kv * p.lk * p.dv, p.dv, key_row, p.lk, p.dv, dv, 1.f, t);
+    return;
+  }
+  using Element = typename ElementOf<kDtype>::type;
+  store_rows<kDtype>(static_cast<Element*>(bp.dk) + kv * p.lk * p.d, p.d, key_row, p.lk, p.d, dk, p.scale, t);
+  store_rows<kDtype>(static_cast<Element*>(bp.dv) + kv * p.lk * p.dv, p.dv, key_row, p.lk, p.dv, dv, 1.f, t);
+}
+
 template <typename Tr>
 __global__ void __launch_bounds__(Tr::kNThreads, 256 / Tr::kNThreads)
     attn_bwd_kernel(__grid_constant__ const AttnBwdParams bp) {
@@ -318,18 +336,8 @@ __global__ void __launch_bounds__(Tr::kNThreads, 256 / Tr::kNThreads)
   }
   cp_async_wait<0>();
 
-  // dK = scale * sum dS^T Q, dV = sum P^T dO (16 keys per warp); a share of the group's heads
-  // adds them in fp32.
-  if (bp.head_splits > 1) {
-    const int64_t kv = int64_t(b) * p.h_kv + hk;
-    red_rows(bp.dk_accum + kv * p.lk * p.d, p.d, key_row, p.lk, p.d, acc_dk, p.scale, t);
-    red_rows(bp.dv_accum + kv * p.lk * p.dv, p.dv, key_row, p.lk, p.dv, acc_dv, 1.f, t);
-    return;
-  }
-  Element* dk = static_cast<Element*>(bp.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * p.d;
-  Element* dv = static_cast<Element*>(bp.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * p.dv;
-  store_rows<Tr::kDtype>(dk, p.d, key_row, p.lk, p.d, acc_dk, p.scale, t);
-  store_rows<Tr::kDtype>(dv, p.dv, key_row, p.lk, p.dv, acc_dv, 1.f, t);
+  // dK, dV (16 keys per warp).
+  write_dk_dv<Tr::kDtype>(bp, b, hk, key_row, acc_dk, acc_dv, t);
 #else
   __trap();  // built for an architecture without bf16 mma.sync: the launcher never gets here
 #endif

@@ -418,22 +418,9 @@ __global__ void __launch_bounds__(Tr::kNThreads, 1)
     if (lane == 0) mbar_arrive(bar_empty + 8 * s);
   }
 
-  // dK = scale * sum dS^T Q, dV = sum P^T dO; a share of the group's heads adds them in fp32.
-  if (bp.head_splits > 1) {
-    const int64_t kv = int64_t(b) * p.h_kv + hk;
-    red_rows(bp.dk_accum + kv * p.lk * p.d, p.d, key_row, p.lk, p.d,
-             reinterpret_cast<const float (&)[kDTiles][4]>(dk), p.scale, t);
-    red_rows(bp.dv_accum + kv * p.lk * p.dv, p.dv, key_row, p.lk, p.dv,
-             reinterpret_cast<const float (&)[kDTiles][4]>(dv), 1.f, t);
-    return;
-  }
-  using Element = typename ElementOf<Tr::kDtype>::type;
-  Element* dkp = static_cast<Element*>(bp.dk) + (int64_t(b) * p.h_kv + hk) * p.lk * p.d;
-  Element* dvp = static_cast<Element*>(bp.dv) + (int64_t(b) * p.h_kv + hk) * p.lk * p.dv;
-  store_rows<Tr::kDtype>(dkp, p.d, key_row, p.lk, p.d, reinterpret_cast<const float (&)[kDTiles][4]>(dk),
-                         p.scale, t);
-  store_rows<Tr::kDtype>(dvp, p.dv, key_row, p.lk, p.dv, reinterpret_cast<const float (&)[kDTiles][4]>(dv),
-                         1.f, t);
+  // dK = scale * sum dS^T Q, dV = sum P^T dO.
+  write_dk_dv<Tr::kDtype>(bp, b, hk, key_row, reinterpret_cast<const float (&)[kDTiles][4]>(dk),
+                          reinterpret_cast<const float (&)[kDTiles][4]>(dv), t);
 #else
   __trap();  // not built for sm_90a: the launcher never gets here
 #endif
