@@ -189,15 +189,18 @@ int bwd_causal_head_group(const AttnFwdParams& p, int head_splits) {
 }
 
 namespace {
-// The bwd_head_splits override, capped at a divisor of the group that keeps the grid's y in range;
-// 0 when none is set.
-int forced_head_splits(const AttnFwdParams& p) {
-  const int forced = plan_options().bwd_head_splits;
-  if (forced <= 0) return 0;
+// The largest split count <= want that divides the group and keeps the grid's y in range (>= 1).
+int usable_head_splits(const AttnFwdParams& p, int want) {
   const int group = p.h_per_kv;
-  int splits = std::min(forced, std::max(group, 1));
+  int splits = std::min(want, std::max(group, 1));
   while (splits > 1 && (group % splits != 0 || int64_t(p.b) * p.h_kv * splits > 65535)) --splits;
   return std::max(splits, 1);
+}
+
+// The bwd_head_splits override made usable; 0 when none is set.
+int forced_head_splits(const AttnFwdParams& p) {
+  const int forced = plan_options().bwd_head_splits;
+  return forced <= 0 ? 0 : usable_head_splits(p, forced);
 }
 }  // namespace
 
@@ -234,12 +237,9 @@ int plan_bwd_block_sparse_head_splits(const AttnBwdParams& bp, const DeviceInfo&
   // two heads per CTA (Longformer's global key block 3-8x, random 1.08-1.30x, causal documents
   // 1.07-1.34x, causal 1.02-1.71x; a uniform causal band loses 4-10 %), groups of 4 and larger
   // grids gain little or lose (the fp32 dK, dV reductions of every CTA).
-  const int group = p.h_per_kv;
   const int64_t kvs = int64_t(p.b) * p.h_kv, nkb = (int64_t(p.lk) + 127) / 128;
-  if (group < 8 || dev.sms <= 0 || kvs * nkb > 4 * int64_t(dev.sms)) return 1;
-  int splits = std::min(group / 2, 8);
-  while (splits > 1 && (group % splits != 0 || kvs * splits > 65535)) --splits;
-  return splits;
+  if (p.h_per_kv < 8 || dev.sms <= 0 || kvs * nkb > 4 * int64_t(dev.sms)) return 1;
+  return usable_head_splits(p, std::min(p.h_per_kv / 2, 8));
 }
 
 namespace {
