@@ -258,7 +258,8 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
 #pragma unroll
         for (int x = 0; x < 8; ++x)
           if (take & (1u << x))
-            *dst++ = make_uint2(__float_as_uint(acc[x / 2][rr * 2 + x % 2]), uint32_t(n0 + (x / 2) * 8 + x % 2));
+            *dst++ =
+                make_uint2(__float_as_uint(acc[x / 2][rr * 2 + x % 2]), uint32_t(n0 + (x / 2) * 8 + x % 2));
         staged[rr] += total;
       }
     } else {
@@ -275,60 +276,95 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
     }
   };
 
-  for (int i = 0; i < my_n; ++i) {
-    const int kt = tile_of(i), stage = i % 2;
-    cp_async_wait<0>();
-    if constexpr (kWgmma) fence_proxy_async();  // cp.async's writes, next read by wgmma
-    __syncthreads();  // K[kt] (and Q, W) landed; every warp is done with the other stage
-    if (i + 1 < my_n) load_k(stage ^ 1, tile_of(i + 1));
-    cp_async_commit();
-    const uint32_t k_base = sK + stage * L::kKBytes + swz<kChunks>((lane / 16) * 8 + r8, (lane / 8) % 2);
-
-    if constexpr (kWgmma) {
-      // One warpgroup: S_j = Q_j K^T (64 x 64: 4 wgmmas of K = 16 from the swizzled tiles) per
-      // head j, folded into acc (relu, weight) once it lands; with kHeadPairs two heads at a
-      // time, head j + 1's products running under head j's fold (nothing in flight across the
-      // loop's back edge, which would make ptxas serialise them). The SM's other CTAs fill the
-      // waits.
-      // (Descriptors stepped by adding offsets >> 4: shared addresses stay below 2^18, so the
-      // 14-bit address field never carries. acc starts at +0, as the first head's fma did.)
-      float sj[32], sb[32], acc[32];
-#pragma unroll
-      for (int x = 0; x < 32; ++x) acc[x] = 0.f;
+  if constexpr (kWgmma) {
+    // One warpgroup: S_j = Q_j K^T (64 x 64: 4 wgmmas of K = 16 from the swizzled tiles) per head
+    // j, folded into acc (relu, weight) once it lands; with kHeadPairs two heads at a time, head
+    // j + 1's products running under head j's fold. Software-pipelined over the key tiles: the
+    // next tile's first head is issued before this tile's emit (which reads acc only), so its
+    // products run under the threshold tests and stores; every wgmma is waited for inside the
+    // iteration that issued it (one in flight across the loop's back edge makes ptxas serialise
+    // them). The SM's other CTAs fill the remaining waits.
+    // (Descriptors stepped by adding offsets >> 4: shared addresses stay below 2^18, so the
+    // 14-bit address field never carries.)
+    float acc[32], sj[32], sb[32];
+    auto issue = [&](float (&r)[32], int j, int stage) {
+      const uint64_t desc_q = desc_q0 + ((j * L::kTileBytes) >> 4);
       const uint64_t desc_k = desc_k0 + ((stage * L::kKBytes) >> 4);
-      auto issue = [&](float (&r)[32], int j) {
-        const uint64_t desc_q = desc_q0 + ((j * L::kTileBytes) >> 4);
-        wgmma_fence();
-        static_for<kKSteps>([&](auto kk_) {
-          constexpr int kk = decltype(kk_)::value;
-          Wgmma<kDtype, 64>::ss(r, desc_q + (kk * 32 >> 4), desc_k + (kk * 32 >> 4), kk > 0 ? 1 : 0);
-        });
-        wgmma_commit();
-      };
-      auto fold = [&](float (&r)[32], int j) {
-        fence_regs(r);
-        if (!p.indexer) {
+      wgmma_fence();
+      static_for<kKSteps>([&](auto kk_) {
+        constexpr int kk = decltype(kk_)::value;
+        Wgmma<kDtype, 64>::ss(r, desc_q + (kk * 32 >> 4), desc_k + (kk * 32 >> 4), kk > 0 ? 1 : 0);
+      });
+      wgmma_commit();
+    };
+    // acc = w_j relu(S_j) (the first head: fmaf onto +0, as the CUDA-core path's first step, so
+    // that the scores' bits do not depend on the path) or acc += w_j relu(S_j).
+    auto fold = [&](float (&r)[32], int j, bool first) {
+      fence_regs(r);
+      if (!p.indexer) {
 #pragma unroll
-          for (int x = 0; x < 32; ++x) acc[x] = r[x];
-        } else {
-          const float w0 = sW[row_lo * heads + j], w1 = sW[(row_lo + 8) * heads + j];
+        for (int x = 0; x < 32; ++x) acc[x] = r[x];
+      } else {
+        const float w0 = sW[row_lo * heads + j], w1 = sW[(row_lo + 8) * heads + j];
 #pragma unroll
-          for (int x = 0; x < 32; ++x) acc[x] = fmaf(x % 4 < 2 ? w0 : w1, fmaxf(r[x], 0.f), acc[x]);
-        }
-      };
-      for (int j = 0; j < heads; j += kHeadPairs ? 2 : 1) {
-        issue(sj, j);
+        for (int x = 0; x < 32; ++x)
+          acc[x] = fmaf(x % 4 < 2 ? w0 : w1, fmaxf(r[x], 0.f), first ? 0.f : acc[x]);
+      }
+    };
+    auto wait_tile = [&]() {  // K of the next tile landed; every warp done with the other stage
+      cp_async_wait<0>();
+      fence_proxy_async();  // cp.async's writes, next read by wgmma
+      __syncthreads();
+    };
+    // A tile's first heads (two with kHeadPairs: every launch of it has >= 2), issued where the
+    // previous tile ends, and folded.
+    constexpr int kFirst = kHeadPairs ? 2 : 1;
+    auto issue_first = [&](int stage) {
+      issue(sj, 0, stage);
+      if constexpr (kHeadPairs) issue(sb, 1, stage);
+    };
+    auto fold_first = [&]() {
+      if constexpr (kHeadPairs)
+        wgmma_wait<1>();
+      else
+        wgmma_wait<0>();
+      fold(sj, 0, true);
+      if constexpr (kHeadPairs) {
+        wgmma_wait<0>();
+        fold(sb, 1, false);
+      }
+    };
+    wait_tile();
+    if (1 < my_n) load_k(1, tile_of(1));
+    cp_async_commit();
+    issue_first(0);
+    fold_first();
+    for (int i = 0; i < my_n; ++i) {
+      const int stage = i % 2;
+      for (int j = kFirst; j < heads; j += kHeadPairs ? 2 : 1) {  // the tile's other heads
+        issue(sj, j, stage);
         if (kHeadPairs && j + 1 < heads) {
-          issue(sb, j + 1);
+          issue(sb, j + 1, stage);
           wgmma_wait<1>();
-          fold(sj, j);
+          fold(sj, j, false);
           wgmma_wait<0>();
-          fold(sb, j + 1);
+          fold(sb, j + 1, false);
         } else {
           wgmma_wait<0>();
-          fold(sj, j);
+          fold(sj, j, false);
         }
       }
+      // The next tile's first heads (after the last tile: products of the stale stage, discarded,
+      // so that no wgmma's issue or wait depends on a branch), under this tile's emit where that
+      // pays: the filtered emit (threshold tests and staging, 2 % of `indexer_select` at 64k), with
+      // the registers of 3 CTAs per SM (kHeadPairs; at 4 the emit beside them spills). The
+      // unfiltered emit (stores of every score) ran 1-2 % slower with them in flight.
+      constexpr bool kUnderEmit = kHeadPairs && kMode == 2;
+      wait_tile();
+      if (i + 2 < my_n) load_k(stage, tile_of(i + 2));
+      cp_async_commit();
+      if constexpr (kUnderEmit) issue_first(stage ^ 1);
+      const int kt = tile_of(i);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float a4[4][4];
@@ -336,7 +372,18 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
         for (int x = 0; x < 16; ++x) a4[x / 4][x % 4] = acc[half * 16 + x];
         emit(kt, half, a4);
       }
-    } else {
+      if constexpr (!kUnderEmit) issue_first(stage ^ 1);
+      fold_first();
+    }
+  } else {
+    for (int i = 0; i < my_n; ++i) {
+      const int kt = tile_of(i), stage = i % 2;
+      cp_async_wait<0>();
+      __syncthreads();  // K[kt] (and Q, W) landed; every warp is done with the other stage
+      if (i + 1 < my_n) load_k(stage ^ 1, tile_of(i + 1));
+      cp_async_commit();
+      const uint32_t k_base = sK + stage * L::kKBytes + swz<kChunks>((lane / 16) * 8 + r8, (lane / 8) % 2);
+
 #pragma unroll
       for (int half = 0; half < kBN / 32; ++half) {  // 32 keys at a time
         float acc[4][4];
