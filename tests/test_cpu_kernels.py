@@ -135,6 +135,28 @@ def test_odd_row_strides_of_keys_and_values(dtype, d, dv):
     assert torch.equal(out, sparse_attn.flash_attention(q, k.contiguous(), v.contiguous(), causal=True))
 
 
+@pytest.mark.parametrize("layout", ["blhd", "expanded"])
+def test_fp32_values_read_in_place_or_copied(layout):
+    # fp32 values feed the P V product where they lie (row stride H * Dv in a (B, L, H, D) tensor);
+    # a row stride below Dv (values expanded along L) takes the copied path. Both equal the
+    # contiguous call bit for bit, and a NaN value stays with the rows that see it.
+    q, k, v = make_qkv(1, 4, 2, 300, 333, 64, 80, dtype=torch.float32, seed=21, layout="blhd")
+    if layout == "expanded":
+        v = v[:, :, :1].expand(-1, -1, 333, -1)
+        assert v.stride(2) == 0
+    else:
+        assert v.stride(2) == 2 * 80
+    out, lse = sparse_attn.flash_attention(q, k, v, causal=True, return_lse=True)
+    check_attention(out, lse, q, k, v, causal=True)
+    assert torch.equal(out, sparse_attn.flash_attention(q, k, v.contiguous(), causal=True))
+    v = v.clone() if layout == "expanded" else v
+    v[0, 1, 200, 5] = float("nan")
+    out = sparse_attn.flash_attention(q, k, v, causal=True)
+    seen = 300 - 133  # the first row that sees key 200 (bottom-right aligned)
+    assert not out[0, 2:4, :seen].isnan().any() and out[0, 2:4, seen:, 5].isnan().all()
+    assert not out[0, :2].isnan().any() and not out[..., [4, 6]].isnan().any()
+
+
 _GENERIC_SCRIPT = """
 import sys, torch, sparse_attn
 torch.manual_seed(0)

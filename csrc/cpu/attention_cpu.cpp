@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -288,8 +289,8 @@ struct KVCacheLayout {
 };
 
 // A key tile (keys n0 .. n0 + cols) as the fp32 products read it: K transposed into kt (D x kBlockN,
-// missing keys as zero columns), V as rows into slot `slot` of vc (layout kv). Returns whether V
-// is finite.
+// missing keys as zero columns), V as rows into slot `slot` of vc (layout kv; vc == nullptr: fp32
+// V is read in place, only checked). Returns whether V is finite.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SA_CPU_AVX512 1
 // Whether the AVX-512 versions below may run: the CPU has them (F; for the bf16 products also BW,
@@ -344,7 +345,8 @@ bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float
   if constexpr (std::is_same_v<T, float>)
     if (use_avx512())
       return load_kv_f32_avx512(k_row<T>(p, b, hk, n0), p.k_row_stride, v_row<T>(p, b, hk, n0),
-                                p.v_row_stride, cols, p.d, p.dv, kt, kv.k_ld(), vc + kv.v_offset(slot, 0));
+                                p.v_row_stride, cols, p.d, p.dv, kt, kv.k_ld(),
+                                vc == nullptr ? nullptr : vc + kv.v_offset(slot, 0));
   if constexpr (std::is_same_v<T, bf16_t> || std::is_same_v<T, fp16_t>)
     if (use_avx512())
       return load_kv_half_f32_avx512(k_row<T>(p, b, hk, n0), p.k_row_stride, v_row<T>(p, b, hk, n0),
@@ -358,6 +360,12 @@ bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float
   const int64_t ld = kv.k_ld();
   for (int x = 0; x < D; ++x)  // written contiguously, read across the (L1-resident) rows
     for (int c = 0; c < N; ++c) kt[x * ld + c] = c < cols ? to_float(k[c * stride + x]) : 0.f;
+  if (vc == nullptr) {  // fp32 V in place
+    bool finite = true;
+    for (int c = 0; c < cols; ++c)
+      finite &= all_finite(reinterpret_cast<const float*>(v_row<T>(p, b, hk, n0 + c)), Dv);
+    return finite;
+  }
   float* vt = vc + kv.v_offset(slot, 0);
   for (int c = 0; c < cols; ++c) load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vt[c * Dv]);
   return all_finite(vt, int64_t(cols) * Dv);
@@ -629,12 +637,11 @@ SA_AVX512F bool load_kv_f32_avx512(const float* k, int64_t k_stride, const float
   __mmask16 bad = 0;
   for (int c = 0; c < cols; ++c) {
     const float* src = v + c * v_stride;
-    float* dst = vt + int64_t(c) * Dv;
     for (int x = 0; x < Dv; x += 16) {
       const __mmask16 m = Dv - x >= 16 ? 0xffff : __mmask16((1u << (Dv - x)) - 1);
       const __m512i r = _mm512_maskz_loadu_epi32(m, src + x);
       bad |= _mm512_mask_cmpeq_epi32_mask(m, _mm512_and_si512(r, expo), expo);
-      _mm512_mask_storeu_epi32(dst + x, m, r);
+      if (vt != nullptr) _mm512_mask_storeu_epi32(vt + int64_t(c) * Dv + x, m, r);
     }
   }
   return bad == 0;
@@ -860,6 +867,10 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
     kv.block_slots = std::min(num_n, kGroup);
   const int group = cache ? kGroup : 1;
   constexpr bool kQInPlace = std::is_same_v<T, Op>;  // Q's rows are the product's operand as they are
+  // fp32 V: a group's rows are one operand as they lie (consecutive keys at a fixed stride), so the
+  // P V product reads them in place; only a tile holding NaN or Inf is copied, for the guarded
+  // product. (Its copy was half of the K/V conversion's time at L = 256, D = 128.)
+  const bool v_in_place = std::is_same_v<T, float> && p.v_row_stride >= Dv && p.v_row_stride <= INT_MAX;
 #ifdef SA_CPU_AVX512
   const bool avx512_bf16 = use_avx512_bf16();
 #endif
@@ -868,10 +879,10 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   const int chunk = int64_t(p.b) * p.h >= 2 * int64_t(omp_get_max_threads()) ? num_m : 1;
 #pragma omp parallel
   {
-    ScratchVector<Op> kc(kv.k_total()), vc(kv.slots * kv.v_elems), qc(kQInPlace ? 0 : kBlockM * D),
-        pc(kAmx ? kBlockM * kPLd : 0);
+    ScratchVector<Op> kc(kv.k_total()), vc(v_in_place ? 0 : kv.slots * kv.v_elems),
+        qc(kQInPlace ? 0 : kBlockM * D), pc(kAmx ? kBlockM * kPLd : 0);
     ScratchVector<float> s(kBlockM * kScoreLd), acc(kBlockM * Dv), m(kBlockM), l(kBlockM),
-        vf(kAmx ? kv.v_elems : 0);
+        vf(kAmx || v_in_place ? kv.v_elems : 0);
     std::vector<uint64_t> visible(kBlockM * kGroup);
     std::vector<uint8_t> ready(kv.slots, 0), finite(kv.slots, 0);
     int64_t cached_head = -1;
@@ -927,7 +938,8 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
           const int n0 = nb * N, cols = std::min(N, p.lk - n0);
           const int slot = cache ? nb : 0;
           if (!cache || !ready[slot]) {
-            finite[slot] = load_kv_tile<T>(p, b, hk, n0, cols, &kc[kv.k_offset(slot)], vc.data(), kv, slot);
+            finite[slot] = load_kv_tile<T>(p, b, hk, n0, cols, &kc[kv.k_offset(slot)],
+                                           v_in_place ? nullptr : vc.data(), kv, slot);
             ready[slot] = 1;
           }
           group_finite &= finite[slot] != 0;
@@ -962,11 +974,11 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
           for (int j = 0; j < n; ++j) {
             const int n0 = (lo + j) * N, cols = std::min(N, p.lk - n0);
             const float* v_rows;
-            if constexpr (kAmx) {
+            if (kAmx || v_in_place) {
               for (int c = 0; c < cols; ++c) load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vf[c * Dv]);
               v_rows = vf.data();
             } else {
-              v_rows = &vc[kv.v_offset(cache ? lo + j : 0, 0)];
+              v_rows = reinterpret_cast<const float*>(&vc[kv.v_offset(cache ? lo + j : 0, 0)]);
             }
             pv_tile(&s[j * N], v_rows, rows, cols, Dv, acc.data(), false, kScoreLd);
           }
@@ -975,6 +987,9 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
             const int wd = std::min(kv.chunk, Dv - x0);
             g.bf16(rows, wd, n * N, kPLd, wd, Dv, true, pc.data(), &vc[kv.v_offset(slot0, x0)], &acc[x0]);
           }
+        } else if (v_in_place) {
+          g.f32(rows, Dv, keys, kScoreLd, int(p.v_row_stride), Dv, true, s.data(),
+                reinterpret_cast<const float*>(v_row<T>(p, b, hk, lo * N)), acc.data());
         } else {
           g.f32(rows, Dv, keys, kScoreLd, Dv, Dv, true, s.data(), &vc[kv.v_offset(slot0, 0)], acc.data());
         }
@@ -1074,8 +1089,8 @@ void gather_impl(const AttnFwdParams& p) {
   const int64_t rows = int64_t(p.b) * groups * p.lq;
 #pragma omp parallel
   {
-    std::vector<float> qf(int64_t(group) * D), kf(D), vf(Dv), acc(int64_t(group) * Dv), s(int64_t(group) * p.topk),
-        mx(group), l(group);
+    std::vector<float> qf(int64_t(group) * D), kf(D), vf(Dv), acc(int64_t(group) * Dv),
+        s(int64_t(group) * p.topk), mx(group), l(group);
     std::vector<char> nan(group);
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < rows; ++w) {
@@ -1083,7 +1098,8 @@ void gather_impl(const AttnFwdParams& p) {
       const int h0 = gi * group, hk = h0 / p.h_per_kv;
       const int32_t* idx = p.indices + b * p.idx_batch_stride + (h0 / p.h_per_idx) * p.idx_head_stride +
                            int64_t(i) * p.idx_row_stride;
-      for (int g = 0; g < group; ++g) load_row(q_row<T>(p, b, h0 + g, i), D, &qf[int64_t(g) * D], p.scale_log2);
+      for (int g = 0; g < group; ++g)
+        load_row(q_row<T>(p, b, h0 + g, i), D, &qf[int64_t(g) * D], p.scale_log2);
       std::fill(mx.begin(), mx.end(), kNegInf);
       std::fill(nan.begin(), nan.end(), 0);
       for (int t = 0; t < p.topk; ++t) {
@@ -1557,7 +1573,8 @@ SA_AVX512_SELECT int keys_at_least(const uint32_t* keys, int64_t n, uint32_t c) 
   int cnt = 0;
   for (int64_t t = 0; t < n; t += 16) {
     const __mmask16 live = n - t >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - t)) - 1);
-    cnt += __builtin_popcount(_mm512_mask_cmpge_epu32_mask(live, _mm512_maskz_loadu_epi32(live, keys + t), vc));
+    cnt +=
+        __builtin_popcount(_mm512_mask_cmpge_epu32_mask(live, _mm512_maskz_loadu_epi32(live, keys + t), vc));
   }
   return cnt;
 }
@@ -1607,8 +1624,8 @@ SA_AVX512_SELECT void select_row_avx512(const TopkSelectParams& p, const float* 
 #endif
 
 // One row's selection: the AVX-512 select where the CPU has it.
-inline void select_row_best(const TopkSelectParams& p, const float* s, int64_t nv, std::vector<uint32_t>& keys,
-                            int32_t* out) {
+inline void select_row_best(const TopkSelectParams& p, const float* s, int64_t nv,
+                            std::vector<uint32_t>& keys, int32_t* out) {
 #ifdef SA_CPU_AVX512_SELECT
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
@@ -1739,7 +1756,8 @@ void flash_fwd(const AttnFwdParams& p, const TileGemm& g) {
     dispatch_dtype(p.dtype,
                    [&](auto t) { tiled_attention<decltype(t), WindowTiles<kCpuWideRows, kBlockN>>(p, g); });
   else
-    dispatch_dtype(p.dtype, [&](auto t) { tiled_attention<decltype(t), WindowTiles<kBlockM, kBlockN>>(p, g); });
+    dispatch_dtype(p.dtype,
+                   [&](auto t) { tiled_attention<decltype(t), WindowTiles<kBlockM, kBlockN>>(p, g); });
 }
 
 void block_sparse_fwd(const AttnFwdParams& p, const TileGemm& g) {
