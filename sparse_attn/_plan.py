@@ -197,10 +197,11 @@ class Launch:
     core: str
     tile: tuple[int, int] | None = None
     schedule: str | None = None
-    options: dict[str, int] = field(default_factory=dict)
+    options: dict[str, int | str] = field(default_factory=dict)
     why: tuple[str, ...] = ()
     count: int = 1
     role: str = ""  # what this launch covers, where a route has several
+    backward: Launch | None = None  # the backward kernel of this forward launch (autograd), as planned
 
     def __str__(self) -> str:
         name = self.kernel + (f" x{self.count}" if self.count != 1 else "") + (f" ({self.role})" if self.role else "")
@@ -222,46 +223,47 @@ class Plan:
     why: str
     launches: tuple[Launch, ...]
     backward: str = ""  # what a backward through this call runs
+    backward_launches: tuple[Launch, ...] = ()  # its kernels where the plan layer decides them
 
     def __str__(self) -> str:
         lines = [f"{self.op}: route {self.route}", f"  why: {self.why}"]
         lines += [f"  {launch}" for launch in self.launches]
         if self.backward:
             lines.append(f"  backward: {self.backward}")
+            lines += [f"  {launch}" for launch in self.backward_launches]
         return "\n".join(lines)
 
 
-def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target) -> str:
-    """The backward of a call: its ops' backward kernels and where they run."""
-    if query.device.type == "cpu" and target[0] == 0:
-        return f"{kernels} (CPU kernels: P recomputed from the LSE, one (batch, kv head) per thread)"
-    cc = target[0]
-    if cc == 0:
-        major, minor = torch.cuda.get_device_capability(query.device)
-        cc = 10 * major + minor
-    tensor_cores = query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] == value.shape[-1] <= 128
-    if not tensor_cores:
-        return f"{kernels} (CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics)"
-    if "gather_bwd" in kernels:
-        return f"{kernels} (CUDA tensor-core kernel: a token's heads per warp, dK and dV summed in fp32 with atomics)"
-    if torch.are_deterministic_algorithms_enabled():
-        if cc == 90 and kernels == "flash_bwd":
+def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target, launches: tuple[Launch, ...]) -> str:
+    """The backward of a call: its ops' backward kernels and where they run (for flash and
+    block-sparse kernels the plan layer's choice, ``launches``; top-k's gathered backward here)."""
+    if launches:
+        first = launches[0]
+        dq = first.options.get("dq")
+        if first.core == "cpu":
+            return f"{kernels} (CPU kernels: P recomputed from the LSE)"
+        if first.core == "cuda_cores":
+            return f"{kernels} (CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics)"
+        name = "Hopper" if first.core == "hopper" else "portable mma.sync"
+        if dq == "ordered":
             return (
                 f"{kernels} (deterministic: the Hopper kernel adds each query tile's dQ in ascending key-tile "
                 "order, each CTA waiting for the one before it)"
             )
-        return (
-            f"{kernels} (deterministic: the {'Hopper' if cc == 90 else 'portable mma.sync'} kernel computes dK "
-            "and dV, then dQ in a kernel of its own, without atomics)"
-        )
-    if cc == 90:
-        return (
-            f"{kernels} (CUDA Hopper kernel: 128 keys per CTA, query tiles of 128 rows at head dim 64, dK "
-            "and dV in registers, dQ added by vector reductions; with few K/V heads a key block's query heads "
-            "shared by several CTAs, their dK and dV summed in fp32; block-sparse masks of 64-key blocks take "
-            "the portable mma.sync kernel)"
-        )
-    return f"{kernels} (CUDA portable mma.sync kernel: 128 keys per CTA, dK and dV in registers, dQ by fp32 atomics)"
+        if dq == "separate":
+            return (
+                f"{kernels} (deterministic: the {name} kernel computes dK and dV, then dQ in a kernel of its own, "
+                "without atomics)"
+            )
+        if first.core == "hopper":
+            return f"{kernels} (CUDA Hopper kernel: dK and dV in registers, dQ added by vector reductions)"
+        return f"{kernels} (CUDA portable mma.sync kernel: dK and dV in registers, dQ by fp32 atomics)"
+    if query.device.type == "cpu" and target[0] == 0:
+        return f"{kernels} (CPU kernels: P recomputed from the LSE)"
+    tensor_cores = query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] == value.shape[-1] <= 128
+    if not tensor_cores:
+        return f"{kernels} (CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics)"
+    return f"{kernels} (CUDA tensor-core kernel: a token's heads per warp, dK and dV summed in fp32 with atomics)"
 
 
 def _launch(kernel: str, text: str, count: int = 1, role: str = "") -> Launch:
@@ -271,7 +273,7 @@ def _launch(kernel: str, text: str, count: int = 1, role: str = "") -> Launch:
     core = fields.pop("core")
     tile = fields.pop("tile", None)
     schedule = fields.pop("schedule", None)
-    options = {k: int(v) for k, v in fields.items()}
+    options = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in fields.items()}
     shape = tuple(int(x) for x in tile.split("x")) if tile is not None else None
     return Launch(kernel, core, shape, schedule, options, why, count, role)
 
@@ -289,7 +291,17 @@ def _target(target) -> tuple[int, int]:
 
 
 def _flash_launch(q, k, v, causal, left, right, tgt, count=1, role="") -> Launch:
-    return _launch("flash_fwd", _ops._plan_flash.default(q, k, v, causal, left, right, *tgt), count, role)
+    launch = _launch("flash_fwd", _ops._plan_flash.default(q, k, v, causal, left, right, *tgt), count, role)
+    det = torch.are_deterministic_algorithms_enabled()
+    text = _ops._plan_bwd.default(q, k, v, False, causal, left, right, 128, 128, det, *tgt)
+    return replace(launch, backward=_launch("flash_bwd", text, count, role))
+
+
+def _block_sparse_launch(q, k, v, q_block, kv_block, tgt) -> Launch:
+    launch = _launch("block_sparse_fwd", _ops._plan_block_sparse.default(q, k, v, q_block, kv_block, *tgt))
+    det = torch.are_deterministic_algorithms_enabled()
+    text = _ops._plan_bwd.default(q, k, v, True, False, -1, -1, q_block, kv_block, det, *tgt)
+    return replace(launch, backward=_launch("block_sparse_bwd", text))
 
 
 def _explain_dense(a, tgt) -> Plan:
@@ -314,8 +326,7 @@ def _explain_flash(a, tgt) -> Plan:
             + (" and the window's" if left >= 0 or right >= 0 else "")
             + (", causal" if causal else "")
         )
-        text = _ops._plan_block_sparse.default(q, k, v, 128, 128, *tgt)
-        return Plan("flash_attention", "block_kernel", why, (_launch("block_sparse_fwd", text),))
+        return Plan("flash_attention", "block_kernel", why, (_block_sparse_launch(q, k, v, 128, 128, tgt),))
     why = "tiled attention with an online softmax" + (", causal" if causal else "")
     if left >= 0 or right >= 0:
         why += f", window (left={left}, right={right}; -1 unbounded)"
@@ -372,8 +383,7 @@ def _explain_block_sparse(a, tgt) -> Plan:
             tail = [x[:, :, lq // segment * segment :: r] for x in (q, k, v)]
             launches += (_flash_launch(*tail, False, -1, -1, tgt, role="ragged last segment"),)
     else:
-        text = _ops._plan_block_sparse.default(q, k, v, route.args[0], route.args[1], *tgt)
-        launches = (_launch("block_sparse_fwd", text),)
+        launches = (_block_sparse_launch(q, k, v, route.args[0], route.args[1], tgt),)
     why = (f"a Pattern resolved for (Lq={lq}, Lk={lk}): " if resolved else "") + route.why
     return Plan("block_sparse_attention", route.kind, why, launches)
 
@@ -385,8 +395,7 @@ def _masked_launches(q, k, v, on_cuda: bool, tgt) -> tuple[Launch, ...]:
         "cuda" if on_cuda else "cpu",
         why=("one CTA (CPU: task) per query block and index set: the union of its rows' key blocks, each row's bits",),
     )
-    text = _ops._plan_block_sparse.default(q, k, v, 128, 128, *tgt)
-    return (lists, _launch("block_sparse_fwd", text))
+    return (lists, _block_sparse_launch(q, k, v, 128, 128, tgt))
 
 
 def _explain_topk(a, tgt) -> Plan:
@@ -415,8 +424,7 @@ def _explain_topk(a, tgt) -> Plan:
             "torch",
             why=("pooled blocks scored by two matmuls (a bound of q.k); top-k per block row",),
         )
-        text = _ops._plan_block_sparse.default(q, k, v, bs, bs, *tgt)
-        return Plan("topk_attention", route.kind, route.why, (pool, _launch("block_sparse_fwd", text)))
+        return Plan("topk_attention", route.kind, route.why, (pool, _block_sparse_launch(q, k, v, bs, bs, tgt)))
     if route.kind == "indexer_topk":
         iq, ik, iw = a["index_query"], a["index_key"], a["index_weights"]
         select = _launch("indexer_select", _ops._plan_indexer_select.default(iq, ik, iw, a["k"], causal, *tgt))
@@ -532,7 +540,9 @@ def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
     kernels = sorted({_BACKWARD[launch.kernel] for launch in plan.launches if launch.kernel in _BACKWARD})
     if kernels:
         args = bound.arguments
-        plan = replace(plan, backward=_backward(", ".join(kernels), args["query"], args["value"], tgt))
+        launches = tuple(launch.backward for launch in plan.launches if launch.backward is not None)
+        text = _backward(", ".join(kernels), args["query"], args["value"], tgt, launches)
+        plan = replace(plan, backward=text, backward_launches=launches)
     return plan
 
 

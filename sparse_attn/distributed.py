@@ -1581,8 +1581,9 @@ def _explain(name: str, args, kwargs, tgt):
                     role=f"this shard's rows {qs}-{qs + lq - 1}",
                 )
             )
-        backward = _backward("flash_bwd", q, v, tgt) + "; K/V gradients reduced to their owners"
-        return Plan(name, "context_parallel_allgather", why, tuple(launches), backward)
+        bwd = tuple(launch.backward for launch in launches)
+        backward = _backward("flash_bwd", q, v, tgt, bwd) + "; K/V gradients reduced to their owners"
+        return Plan(name, "context_parallel_allgather", why, tuple(launches), backward, bwd)
     shards = [_local_chunks(chunks) for chunks in bounds]
     if plan.method == "ring":
         pairs = [
@@ -1645,12 +1646,13 @@ def _explain(name: str, args, kwargs, tgt):
                 role="this rank's slices",
             )
         )
+    bwd = tuple(launch.backward for launch in launches if launch.backward is not None)
     backward = (
-        _backward("flash_bwd", q, v, tgt)
+        _backward("flash_bwd", q, v, tgt, bwd)
         + f"; the query slices' exchange in {_BACKWARD_SLICES} rounds, dK/dV accumulated in fp32 by their owner, "
         "dQ returned"
     )
-    return Plan(name, "context_parallel_queries", why, tuple(launches), backward)
+    return Plan(name, "context_parallel_queries", why, tuple(launches), backward, bwd)
 
 
 # -------------------------------------------------------------------------------------------- top-k

@@ -174,6 +174,50 @@ def test_cpu_plans():
         torch.use_deterministic_algorithms(False)
 
 
+def _bwd(plan):
+    assert len(plan.backward_launches) == 1, plan
+    return plan.backward_launches[0]
+
+
+def test_backward_plans():
+    """explain shows the backward the plan layer picks (plan_bwd, which the CUDA glue runs): core,
+    tile, head splits and groups, the dQ mode; planned for a GPU this machine need not have."""
+    ex = sparse_attn.explain
+    gqa = _qkv(h=16, hkv=2, lq=8192, lk=8192)
+    bwd = _bwd(ex(sparse_attn.flash_attention, *gqa, causal=True, target="sm90"))
+    assert (bwd.kernel, bwd.core, bwd.tile, bwd.options["dq"]) == ("flash_bwd", "hopper", (64, 128), "atomic")
+    # the head splits are plan_bwd_head_splits' (GQA 16/2, few (batch, kv head)s: > 1)
+    splits = torch.ops.sparse_attn._bwd_head_splits(2, 16, 2, 8192, 8192, -1, 0, 128, 132, 64)
+    assert bwd.options["head_splits"] == splits > 1 and bwd.options["head_group"] >= 1
+    assert "flash_bwd  core=hopper  tile=64x128" in str(ex(sparse_attn.flash_attention, *gqa, target="sm90"))
+    with sparse_attn._plan.overrides(bwd_head_splits=2):
+        assert _bwd(ex(sparse_attn.flash_attention, *gqa, causal=True, target="sm90")).options["head_splits"] == 2
+    # head dim 64: the dense family's 128-row query tiles; MHA: one CTA per key block's group
+    d64 = _bwd(ex(sparse_attn.flash_attention, *_qkv(h=4, hkv=4, d=64), target="sm90"))
+    assert (d64.tile, d64.options["head_splits"], d64.options["head_group"]) == ((128, 128), 1, 0)
+    # block-sparse masks: 128-key blocks on the Hopper kernel, 64-key blocks on the portable one
+    q, k, v = _qkv(h=16, hkv=2, lq=2048, lk=2048)
+    for size, core, tile in ((128, "hopper", (64, 128)), (64, "portable", (64, 64))):
+        mask = patterns.random_blocks(2048, 0.3, seed=0, block_size=size)
+        bwd = _bwd(ex(sparse_attn.block_sparse_attention, q, k, v, mask, target="sm90"))
+        assert (bwd.kernel, bwd.core, bwd.tile) == ("block_sparse_bwd", core, tile)
+    assert _bwd(ex(sparse_attn.flash_attention, *gqa, causal=True, target="sm80")).core == "portable"
+    # deterministic mode: Hopper's ordered dQ (no splits), a separate dQ kernel elsewhere
+    torch.use_deterministic_algorithms(True)
+    try:
+        ordered = _bwd(ex(sparse_attn.flash_attention, *gqa, causal=True, target="sm90"))
+        assert (ordered.options["dq"], ordered.options["head_splits"]) == ("ordered", 1)
+        mask = patterns.random_blocks(2048, 0.3, seed=0, block_size=128)
+        assert _bwd(ex(sparse_attn.block_sparse_attention, q, k, v, mask, target="sm90")).options["dq"] == "separate"
+        assert _bwd(ex(sparse_attn.flash_attention, *gqa, target="sm80")).options["dq"] == "separate"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # fp32 (or Dv != D): the CUDA-core kernel; CPU tensors: the CPU kernels
+    fp32 = _bwd(ex(sparse_attn.flash_attention, *_qkv(dtype=torch.float32), target="sm90"))
+    assert fp32.core == "cuda_cores" and "head_splits" not in fp32.options
+    assert _bwd(ex(sparse_attn.flash_attention, *_qkv())).core == "cpu"
+
+
 @pytest.mark.parametrize("d", [64, 128, 40, 96])
 def test_hopper_takes_head_dims_up_to_128(d):
     q, k, v = _qkv(d=d)

@@ -1,11 +1,11 @@
 #include "common.h"
 
-#include "sparse_attn/selection_mask.h"
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <sstream>
+
+#include "sparse_attn/selection_mask.h"
 
 namespace sparse_attn {
 namespace {
@@ -14,9 +14,7 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 }  // namespace
 
-bool is_supported_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
+bool is_supported_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 void check_head_dim(int64_t d, const char* what) {
   TORCH_CHECK(d >= 8 && d <= kMaxHeadDim && d % 8 == 0, "head dimension of ", what,
@@ -34,15 +32,20 @@ void check_int32(const at::Tensor& t, const char* name) {
 
 ScalarKind scalar_kind(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return ScalarKind::kFloat32;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    case at::kHalf: return ScalarKind::kFloat16;
-    default: TORCH_CHECK(false, "unsupported dtype ", t, "; supported: float32, bfloat16, float16");
+    case at::kFloat:
+      return ScalarKind::kFloat32;
+    case at::kBFloat16:
+      return ScalarKind::kBFloat16;
+    case at::kHalf:
+      return ScalarKind::kFloat16;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", t, "; supported: float32, bfloat16, float16");
   }
 }
 
 void check_tensor_core_head_dims(const QkvShape& s) {
-  TORCH_CHECK(s.dv == s.d, "on CUDA the value head dimension must equal the query head dimension, got D=", s.d,
+  TORCH_CHECK(s.dv == s.d,
+              "on CUDA the value head dimension must equal the query head dimension, got D=", s.d,
               " and Dv=", s.dv);
 }
 
@@ -62,14 +65,15 @@ QkvShape check_qkv(const at::Tensor& query, const at::Tensor& key, const at::Ten
               query.device(), " and ", key.device());
   TORCH_CHECK(value.device() == query.device(), "query and value must be on the same device, got ",
               query.device(), " and ", value.device());
-  TORCH_CHECK(is_supported_dtype(query.scalar_type()), "query dtype must be float32, bfloat16 or float16, got ",
-              query.scalar_type());
+  TORCH_CHECK(is_supported_dtype(query.scalar_type()),
+              "query dtype must be float32, bfloat16 or float16, got ", query.scalar_type());
   TORCH_CHECK(key.scalar_type() == query.scalar_type(), "query and key must have the same dtype, got ",
               query.scalar_type(), " and ", key.scalar_type());
   TORCH_CHECK(value.scalar_type() == query.scalar_type(), "query and value must have the same dtype, got ",
               query.scalar_type(), " and ", value.scalar_type());
 
-  QkvShape s{query.size(0), query.size(1), key.size(1), query.size(2), key.size(2), query.size(3), value.size(3)};
+  QkvShape s{query.size(0), query.size(1), key.size(1),  query.size(2),
+             key.size(2),   query.size(3), value.size(3)};
   TORCH_CHECK(key.size(0) == s.b && value.size(0) == s.b,
               "query, key and value must have the same batch size, got ", s.b, ", ", key.size(0), ", ",
               value.size(0));
@@ -122,8 +126,7 @@ double resolve_scale(const c10::optional<double>& scale, int64_t d) {
 }
 
 AttnFwdParams set_params_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& out, const at::Tensor& lse, const QkvShape& s,
-                             double scale) {
+                             const at::Tensor& out, const at::Tensor& lse, const QkvShape& s, double scale) {
   AttnFwdParams params = {};
   params.q = q.data_ptr();
   params.k = k.data_ptr();
@@ -166,8 +169,9 @@ BwdTensors set_params_bwd(AttnBwdParams& params, const at::Tensor& query, const 
   check_same_device(query, grad_out, "grad_out");
   check_same_device(query, out, "out");
   check_same_device(query, lse, "lse");
-  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.size(0) == query.size(0) && out.size(1) == query.size(1) &&
-                  out.size(2) == query.size(2) && out.size(3) == value.size(3),
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.size(0) == query.size(0) &&
+                  out.size(1) == query.size(1) && out.size(2) == query.size(2) &&
+                  out.size(3) == value.size(3),
               "grad_out and out must have the output's shape (B, H, Lq, Dv), got ", grad_out.sizes(), " and ",
               out.sizes());
   TORCH_CHECK(grad_out.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
@@ -186,8 +190,8 @@ BwdTensors set_params_bwd(AttnBwdParams& params, const at::Tensor& query, const 
   params.dlse = nullptr;
   if (grad_lse.has_value() && grad_lse->defined()) {
     check_same_device(query, *grad_lse, "grad_lse");
-    TORCH_CHECK(grad_lse->sizes() == lse.sizes(), "grad_lse must have the LSE's shape ", lse.sizes(), ", got ",
-                grad_lse->sizes());
+    TORCH_CHECK(grad_lse->sizes() == lse.sizes(), "grad_lse must have the LSE's shape ", lse.sizes(),
+                ", got ", grad_lse->sizes());
     t.dlse = grad_lse->to(at::kFloat).contiguous();
     params.dlse = t.dlse.data_ptr<float>();
   }
@@ -227,8 +231,8 @@ at::Tensor set_params_dense_mask(AttnFwdParams& params, const at::Tensor& query,
     const int64_t sz = m.size(m.dim() - 1 - i), want = target[3 - i];
     ok = sz == 1 || sz == want;
   }
-  TORCH_CHECK(ok, "attn_mask of shape ", m.sizes(), " cannot be broadcast to (B, H, Lq, Lk) = ",
-              at::IntArrayRef(target));
+  TORCH_CHECK(ok, "attn_mask of shape ", m.sizes(),
+              " cannot be broadcast to (B, H, Lq, Lk) = ", at::IntArrayRef(target));
   at::Tensor mm = is_bool ? m : m.to(at::kFloat);
   mm = mm.expand(target);
   if (mm.stride(3) != 1) mm = mm.contiguous();
@@ -247,9 +251,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_block_spar
   TORCH_CHECK(q_block == 64 || q_block == 128, "q_block must be 64 or 128, got ", q_block);
   TORCH_CHECK(kv_block == 64 || kv_block == 128, "kv_block must be 64 or 128, got ", kv_block);
   const std::pair<const at::Tensor*, const char*> all[] = {{&kv_num_blocks, "kv_num_blocks"},
-                                                          {&kv_indices, "kv_indices"},
-                                                          {&kv_partial, "kv_partial"},
-                                                          {&partial_masks, "partial_masks"}};
+                                                           {&kv_indices, "kv_indices"},
+                                                           {&kv_partial, "kv_partial"},
+                                                           {&partial_masks, "partial_masks"}};
   for (const auto& [t, name] : all) {
     check_int32(*t, name);
     check_same_device(query, *t, name);
@@ -265,11 +269,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_block_spar
               "; build the mask for this sequence length");
   TORCH_CHECK(kv_indices.dim() == 4 && kv_indices.size(0) == bm && kv_indices.size(1) == hm &&
                   kv_indices.size(2) == nqb,
-              "kv_indices must have shape (", bm, ", ", hm, ", ", nqb, ", max_kv_blocks), got ", kv_indices.sizes());
+              "kv_indices must have shape (", bm, ", ", hm, ", ", nqb, ", max_kv_blocks), got ",
+              kv_indices.sizes());
   TORCH_CHECK(kv_partial.sizes() == kv_indices.sizes(), "kv_partial must have the shape of kv_indices ",
               kv_indices.sizes(), ", got ", kv_partial.sizes());
-  TORCH_CHECK(partial_masks.dim() == 3 && partial_masks.size(1) == q_block && partial_masks.size(2) == kv_block / 32,
-              "partial_masks must have shape (P, ", q_block, ", ", kv_block / 32, "), got ", partial_masks.sizes());
+  TORCH_CHECK(
+      partial_masks.dim() == 3 && partial_masks.size(1) == q_block && partial_masks.size(2) == kv_block / 32,
+      "partial_masks must have shape (P, ", q_block, ", ", kv_block / 32, "), got ", partial_masks.sizes());
   TORCH_CHECK(partial_masks.size(0) <= kInt32Max / (q_block * kv_block / 32), "too many partial blocks");
 
   at::Tensor cnt = kv_num_blocks.contiguous(), idx = kv_indices.contiguous(), part = kv_partial.contiguous(),
@@ -316,9 +322,11 @@ void set_params_gather(AttnFwdParams& params, const at::Tensor& query, const Qkv
   TORCH_CHECK(indices.dim() == 4, "indices must be 4-D (B, Hi, Lq, k), got ", indices.sizes());
   const int64_t hi = indices.size(1);
   const bool heads_ok = s.h == 0 ? hi <= 1 : (hi >= 1 && s.h % hi == 0);
-  TORCH_CHECK(indices.size(0) == s.b && indices.size(2) == s.lq && heads_ok, "indices must have shape (B=", s.b,
-              ", Hi, Lq=", s.lq, ", k) with H=", s.h, " a multiple of Hi, got ", indices.sizes());
-  TORCH_CHECK(indices.stride(3) == 1 || indices.size(3) <= 1, "indices must have stride 1 in its last dimension");
+  TORCH_CHECK(indices.size(0) == s.b && indices.size(2) == s.lq && heads_ok,
+              "indices must have shape (B=", s.b, ", Hi, Lq=", s.lq, ", k) with H=", s.h,
+              " a multiple of Hi, got ", indices.sizes());
+  TORCH_CHECK(indices.stride(3) == 1 || indices.size(3) <= 1,
+              "indices must have stride 1 in its last dimension");
   TORCH_CHECK(indices.size(3) <= kInt32Max, "k must be below 2^31");
   params.indices = indices.data_ptr<int32_t>();
   params.idx_batch_stride = indices.stride(0);
@@ -340,15 +348,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_
               "q_block and kv_block must be 64 or 128, got ", q_block, " and ", kv_block);
   TORCH_CHECK(key_length > 0 && key_length <= INT_MAX, "key_length must be in [1, 2^31), got ", key_length);
   const int64_t b = indices.size(0), g = indices.size(1), lq = indices.size(2), k = indices.size(3);
-  TORCH_CHECK(g > 0 && heads > 0 && heads % g == 0, "heads (", heads, ") must be a multiple of the groups (", g, ")");
-  TORCH_CHECK(lq <= INT_MAX && k <= INT_MAX && b <= 65535 && g <= 65535, "indices too large: ", indices.sizes());
+  TORCH_CHECK(g > 0 && heads > 0 && heads % g == 0, "heads (", heads, ") must be a multiple of the groups (",
+              g, ")");
+  TORCH_CHECK(lq <= INT_MAX && k <= INT_MAX && b <= 65535 && g <= 65535,
+              "indices too large: ", indices.sizes());
   const int64_t nkb = (key_length + kv_block - 1) / kv_block, nqb = (lq + q_block - 1) / q_block;
   // The CUDA builder keeps three bits per key block in 48 KiB of shared memory.
-  TORCH_CHECK(nkb <= 4095 * 32, "key_length ", key_length, " has more than ", 4095 * 32, " key blocks of ", kv_block);
+  TORCH_CHECK(nkb <= 4095 * 32, "key_length ", key_length, " has more than ", 4095 * 32, " key blocks of ",
+              kv_block);
   indices = indices.stride(-1) == 1 ? indices : indices.contiguous();
   int64_t pairs = 0, max_kb = 0;
   for (int64_t qb = 0; qb < nqb; ++qb) {
-    const int cap = selection_block_cap(int(qb), int(lq), int(q_block), int(kv_block), int(nkb), causal, row_offset);
+    const int cap =
+        selection_block_cap(int(qb), int(lq), int(q_block), int(kv_block), int(nkb), causal, row_offset);
     pairs += cap;
     max_kb = std::max<int64_t>(max_kb, cap);
   }
@@ -484,12 +496,29 @@ std::string describe(const FlashPlan& plan) {
       << "\nschedule=" << schedule_name(plan.schedule);
   if (plan.core != Core::kCpu) out << "\nwarps=" << plan.tile.warps;
   if (plan.core == Core::kHopper) out << "\nmerge_boundary=" << int(plan.merge_boundary);
-  out << "\nwhy_core=" << plan.why_core << "\nwhy_tile=" << plan.why_tile << "\nwhy_schedule=" << plan.why_schedule;
+  out << "\nwhy_core=" << plan.why_core << "\nwhy_tile=" << plan.why_tile
+      << "\nwhy_schedule=" << plan.why_schedule;
+  return out.str();
+}
+
+std::string describe(const BwdPlan& plan) {
+  std::ostringstream out;
+  const bool tensor_cores = plan.core == Core::kHopper || plan.core == Core::kPortable;
+  out << "core=" << core_name(plan.core) << "\ntile=" << plan.block_m << "x" << plan.block_n << "\nschedule="
+      << (tensor_cores              ? "key_blocks"
+          : plan.core == Core::kCpu ? "query_tiles"
+                                    : "rows");
+  if (tensor_cores)
+    out << "\nhead_splits=" << plan.head_splits << "\nhead_group=" << plan.head_group
+        << "\ndq=" << dq_mode_name(plan.dq);
+  out << "\nwhy_core=" << plan.why_core << "\nwhy_tile=" << plan.why_tile
+      << "\nwhy_schedule=" << plan.why_schedule;
   return out.str();
 }
 
 std::string nothing_to_compute() {
-  return "core=none\nwhy_core=nothing to compute (no batch, head or query, or no key: output 0, LSE -inf); no "
+  return "core=none\nwhy_core=nothing to compute (no batch, head or query, or no key: output 0, LSE -inf); "
+         "no "
          "kernel runs";
 }
 
@@ -544,8 +573,9 @@ DeviceInfo planned_device(const at::Tensor& like, int64_t target_cc, int64_t tar
 
 void set_cuda_device_lookup(CudaDeviceLookup lookup) { cuda_device_lookup = lookup; }
 
-std::string explain_flash(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool causal,
-                          int64_t window_left, int64_t window_right, int64_t target_cc, int64_t target_sms) {
+std::string explain_flash(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          bool causal, int64_t window_left, int64_t window_right, int64_t target_cc,
+                          int64_t target_sms) {
   const DeviceInfo device = planned_device(query, target_cc, target_sms);
   const bool aligned = flash_needs_aligned_inputs(scalar_kind(query.scalar_type()));
   PlannedInputs in = plan_inputs(query, key, value, device, aligned);
@@ -567,11 +597,32 @@ std::string explain_block_sparse(const at::Tensor& query, const at::Tensor& key,
   return describe(plan_flash(in.params, Variant::kBlockSparse, device, plan_options()));
 }
 
+std::string explain_bwd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        bool block_sparse, bool causal, int64_t window_left, int64_t window_right,
+                        int64_t q_block, int64_t kv_block, bool deterministic, int64_t target_cc,
+                        int64_t target_sms) {
+  const DeviceInfo device = planned_device(query, target_cc, target_sms);
+  PlannedInputs in = plan_inputs(query, key, value, device, /*aligned=*/false);
+  if (block_sparse) {
+    TORCH_CHECK(q_block == 64 || q_block == 128, "q_block must be 64 or 128, got ", q_block);
+    TORCH_CHECK(kv_block == 64 || kv_block == 128, "kv_block must be 64 or 128, got ", kv_block);
+    in.params.q_block = int(q_block);
+    in.params.kv_block = int(kv_block);
+  } else {
+    set_params_window(in.params, causal, window_left, window_right);
+  }
+  if (is_trivial(in.s)) return nothing_to_compute();
+  AttnBwdParams bp{};
+  bp.fwd = in.params;
+  return describe(plan_bwd(bp, block_sparse ? Variant::kBlockSparse : Variant::kWindow, device,
+                           plan_options(), deterministic));
+}
+
 std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            int64_t index_heads, int64_t target_cc, int64_t target_sms) {
   const QkvShape s = check_qkv(query, key, value);
-  TORCH_CHECK(index_heads >= 1 && s.h % index_heads == 0, "the selection's heads must divide H=", s.h, ", got ",
-              index_heads);
+  TORCH_CHECK(index_heads >= 1 && s.h % index_heads == 0, "the selection's heads must divide H=", s.h,
+              ", got ", index_heads);
   const DeviceInfo device = planned_device(query, target_cc, target_sms);
   const bool aligned = gather_needs_aligned_inputs(scalar_kind(query.scalar_type()), s.d, s.dv);
   PlannedInputs in = plan_inputs(query, key, value, device, aligned);

@@ -13,16 +13,16 @@
 
 namespace sparse_attn {
 
-#define SA_CHECK_SHAPE(x, ...)                                                                 \
-  TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x " must have shape (" #__VA_ARGS__ \
-              "), got ", (x).sizes())
+#define SA_CHECK_SHAPE(x, ...)                                                                               \
+  TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x " must have shape (" #__VA_ARGS__ "), got ", \
+              (x).sizes())
 
 // Largest head dimension any op supports; every multiple of 8 up to it is accepted.
 constexpr int64_t kMaxHeadDim = 256;
 
 // Single-argument checks; the messages name the argument.
 bool is_supported_dtype(at::ScalarType t);
-void check_head_dim(int64_t d, const char* what);  // a multiple of 8 in [8, kMaxHeadDim]
+void check_head_dim(int64_t d, const char* what);            // a multiple of 8 in [8, kMaxHeadDim]
 void check_last_dim(const at::Tensor& t, const char* name);  // unit stride
 void check_int32(const at::Tensor& t, const char* name);
 
@@ -58,8 +58,7 @@ bool fill_trivial_outputs(const QkvShape& s, at::Tensor& out, at::Tensor& lse);
 double resolve_scale(const c10::optional<double>& scale, int64_t d);
 
 AttnFwdParams set_params_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& out, const at::Tensor& lse, const QkvShape& s,
-                             double scale);
+                             const at::Tensor& out, const at::Tensor& lse, const QkvShape& s, double scale);
 
 // The backward's params: the forward's (already set; the LSE replaced by a contiguous one) and the
 // gradients, checked against the forward's shapes. Returns the contiguous gradients it allocated
@@ -125,10 +124,17 @@ bool cpu_bf16_products();
 // for these inputs (their checks included), without running anything: on the inputs' device, or
 // with target_cc > 0 on a GPU of that compute capability with target_sms SMs (a build with its
 // kernels, a driver with TMA). The ops sparse_attn::_plan_* (registration.cpp).
-std::string explain_flash(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, bool causal,
-                          int64_t window_left, int64_t window_right, int64_t target_cc, int64_t target_sms);
+std::string explain_flash(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          bool causal, int64_t window_left, int64_t window_right, int64_t target_cc,
+                          int64_t target_sms);
 std::string explain_block_sparse(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                  int64_t q_block, int64_t kv_block, int64_t target_cc, int64_t target_sms);
+// The backward of flash_fwd (block_sparse false: the window or causal bounds) or of
+// block_sparse_fwd (the mask's block sizes) in torch's deterministic mode or not.
+std::string explain_bwd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        bool block_sparse, bool causal, int64_t window_left, int64_t window_right,
+                        int64_t q_block, int64_t kv_block, bool deterministic, int64_t target_cc,
+                        int64_t target_sms);
 std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            int64_t index_heads, int64_t target_cc, int64_t target_sms);
 std::string explain_select(const at::Tensor& query, const at::Tensor& key, int64_t k, bool causal,
@@ -148,9 +154,10 @@ struct KvCacheShape {
 
 // Checks the inputs of attention_with_kvcache against its layout contract (shapes, dtypes,
 // devices, strides; never the values of cache_seqlens or block_table, which may live on a GPU).
-KvCacheShape check_kvcache(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                           const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& key,
-                           const c10::optional<at::Tensor>& value, const c10::optional<at::Tensor>& block_table,
+KvCacheShape check_kvcache(const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& cache_seqlens,
+                           const c10::optional<at::Tensor>& key, const c10::optional<at::Tensor>& value,
+                           const c10::optional<at::Tensor>& block_table,
                            const c10::optional<at::Tensor>& kv_num_blocks,
                            const c10::optional<at::Tensor>& kv_indices, int64_t kv_block);
 
@@ -173,13 +180,14 @@ bool kvcache_aligned(const at::Tensor& key_cache, const at::Tensor& value_cache)
 int64_t kvcache_route(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                       const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& key,
                       const c10::optional<at::Tensor>& value, const c10::optional<at::Tensor>& block_table,
-                      const c10::optional<at::Tensor>& kv_num_blocks, const c10::optional<at::Tensor>& kv_indices,
-                      int64_t kv_block);
-std::string explain_kvcache(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            const at::Tensor& cache_seqlens, const c10::optional<at::Tensor>& key,
-                            const c10::optional<at::Tensor>& value, const c10::optional<at::Tensor>& block_table,
+                      const c10::optional<at::Tensor>& kv_num_blocks,
+                      const c10::optional<at::Tensor>& kv_indices, int64_t kv_block);
+std::string explain_kvcache(const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& cache_seqlens,
+                            const c10::optional<at::Tensor>& key, const c10::optional<at::Tensor>& value,
+                            const c10::optional<at::Tensor>& block_table,
                             const c10::optional<at::Tensor>& kv_num_blocks,
-                            const c10::optional<at::Tensor>& kv_indices, int64_t kv_block, int64_t window_left,
-                            int64_t window_right, int64_t target_cc, int64_t target_sms);
+                            const c10::optional<at::Tensor>& kv_indices, int64_t kv_block,
+                            int64_t window_left, int64_t window_right, int64_t target_cc, int64_t target_sms);
 
 }  // namespace sparse_attn

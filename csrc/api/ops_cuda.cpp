@@ -250,10 +250,9 @@ at::Tensor topk_select_cuda(const at::Tensor& query, const at::Tensor& key, int6
   return run_select(params, out, query);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cuda(const at::Tensor& indices,
-                                                                               int64_t key_length, int64_t heads,
-                                                                               int64_t q_block, int64_t kv_block,
-                                                                               bool causal, int64_t row_offset, int64_t entry_block) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cuda(
+    const at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block, int64_t kv_block,
+    bool causal, int64_t row_offset, int64_t entry_block) {
   check_cuda(indices);
   const c10::cuda::CUDAGuard guard(indices.device());
   at::Tensor idx = indices;
@@ -337,44 +336,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
       "backward preprocess");
   if (c.tensor_cores && !gather) {
     TORCH_CHECK(s.b * s.h_kv <= 65535, what, ": B * Hkv must be at most 65535, got ", s.b * s.h_kv);
-    // The Hopper kernel where it was built and a block-sparse mask's key blocks are its 128-key tiles.
-    const DeviceInfo dev = cuda_device_info(c.q.get_device());
-    const bool hopper = dev.cc == 90 && dev.sm90_kernels && dev.tma && !plan_options().portable_only &&
-                        (variant == Variant::kWindow || bp.fwd.kv_block == 128);
-    // Deterministic mode: Hopper's dense family orders its dQ reductions; elsewhere the key-major
-    // kernel computes dK and dV only and attn_bwd_dq.cuh dQ.
-    const bool ordered = deterministic && hopper && variant == Variant::kWindow;
-    const bool separate = deterministic && !ordered;
+    // The kernel, its tiles, head splits and groups and the dQ mode (plan_bwd, which explain shows).
+    const BwdPlan plan =
+        plan_bwd(bp, variant, cuda_device_info(c.q.get_device()), plan_options(), deterministic);
+    const bool hopper = plan.core == Core::kHopper;
+    const bool ordered = plan.dq == DqMode::kOrdered;
+    const bool separate = plan.dq == DqMode::kSeparate;
     if (!hopper) {  // the portable kernel's 64-key tiles are not the mask's key blocks
       bp.kv_block_order = nullptr;
       bp.kv_heavy = nullptr;
     }
-    // GQA with few (batch, kv head)s: a key block's walk over the group's heads shared by
-    // head_splits CTAs (plan_bwd_head_splits), their dK and dV summed in fp32.
-    bp.head_splits = deterministic ? 1
-                     : variant == Variant::kWindow
-                         ? plan_bwd_head_splits(bp, dev, hopper && padded_head_dim(s.d) == 64 ? 128 : 64)
-                         : plan_bwd_block_sparse_head_splits(bp, dev);
-    const int64_t units = s.b * s.h_kv * bp.head_splits;  // the grid's y
-    // CTAs in head groups (bwd_tile_of_cta: key block by key block over head_group units of the
-    // grid's y), as many as keep the group's Q and dO (16-bit, the tensor-core kernels') within
-    // `budget` bytes, `bytes` each.
-    const auto heads_within = [&](int64_t budget, int64_t bytes) {
-      return int(std::clamp<int64_t>(budget / std::max<int64_t>(1, bytes), 1, units));
-    };
-    const int64_t qdo_bytes = s.lq * (s.d + s.dv) * 2;  // one query head's Q and dO
-    bp.head_group = 0;
-    if (ordered) {
-      // Ordered reductions: key tile n of a head waits for n - 1 at every query tile, so the CTAs of
-      // a head that start together start n turns apart; grouped, a wave holds a few key tiles of
-      // each head. About 32 MiB per group, counting one query head per kv head. (H100, B2 H16: all
-      // heads in one group ran 1.5-1.8x the default at D = 128, L = 4k-16k; grid order 1.2-1.3x at
-      // 4k; this rule 1.0-1.14x from 4k; docs/PERF_LOG.md.)
-      bp.head_group = heads_within(int64_t(32) << 20, qdo_bytes);
-    } else if (variant == Variant::kWindow && bp.fwd.window_left < 0 && bp.fwd.window_right >= 0) {
-      // Causal-type windows, heaviest key blocks first: a group's Q and dO about 16 MiB, a share of L2.
-      bp.head_group = bwd_causal_head_group(bp.fwd, bp.head_splits);
-    }
+    bp.head_splits = plan.head_splits;
+    bp.head_group = plan.head_group;
     at::Tensor dk_split, dv_split;
     bp.dk_accum = bp.dv_accum = nullptr;
     if (bp.head_splits > 1) {

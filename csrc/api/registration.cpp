@@ -209,6 +209,11 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int window_right=-1, int target_cc=0, int target_sms=0) -> str",
       &sparse_attn::explain_flash);
   m.def(
+      "_plan_bwd(Tensor query, Tensor key, Tensor value, bool block_sparse=False, bool causal=False, int "
+      "window_left=-1, int window_right=-1, int q_block=128, int kv_block=128, bool deterministic=False, int "
+      "target_cc=0, int target_sms=0) -> str",
+      &sparse_attn::explain_bwd);
+  m.def(
       "_plan_block_sparse(Tensor query, Tensor key, Tensor value, int q_block, int kv_block, int "
       "target_cc=0, "
       "int target_sms=0) -> str",

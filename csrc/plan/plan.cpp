@@ -242,6 +242,79 @@ int plan_bwd_block_sparse_head_splits(const AttnBwdParams& bp, const DeviceInfo&
   return usable_head_splits(p, std::min(p.h_per_kv / 2, 8));
 }
 
+BwdPlan plan_bwd(const AttnBwdParams& bp, Variant v, const DeviceInfo& dev, const PlanOptions& opt,
+                 bool deterministic) {
+  const AttnFwdParams& p = bp.fwd;
+  BwdPlan plan;
+  plan.block_n = v == Variant::kBlockSparse && p.kv_block == 64 ? 64 : 128;
+  if (dev.cc == 0) {
+    plan.core = Core::kCpu;
+    plan.block_n = 64;
+    plan.why_core = "CPU tensors: the OpenMP kernels (P recomputed from the LSE)";
+    plan.why_tile = "64 query rows x 64 keys per product";
+    plan.why_schedule =
+        "a thread per (batch, kv head); with fewer of them than threads, a head's query tiles split over "
+        "threads whose dK and dV partials are summed in a fixed order (deterministic)";
+    return plan;
+  }
+  if (!bwd_tensor_cores(p.dtype, p.d, p.dv)) {
+    plan.core = Core::kCudaCores;
+    plan.block_m = 1;
+    plan.why_core = "fp32 inputs, Dv != D or D > 128: the CUDA-core kernel";
+    plan.why_tile = "one query row per warp";
+    plan.why_schedule = "dQ per row; dK and dV summed in fp32 with atomics (not deterministic)";
+    return plan;
+  }
+  const bool hopper = dev.cc == 90 && dev.sm90_kernels && dev.tma && !opt.portable_only &&
+                      (v == Variant::kWindow || p.kv_block == 128);
+  plan.core = hopper ? Core::kHopper : Core::kPortable;
+  plan.why_core = hopper ? "compute capability 9.0, sm_90a kernels, TMA: the Hopper backward (a producer "
+                           "warpgroup's TMA, two consumer warpgroups of 64 keys, dK and dV in registers)"
+                  : opt.portable_only ? "the portable mma.sync kernel: forced by the plan options"
+                  : dev.cc == 90 && v == Variant::kBlockSparse && p.kv_block != 128
+                      ? "a mask of 64-key blocks: the portable mma.sync kernel's 64-key CTAs"
+                      : "the portable mma.sync kernel (dK and dV in registers)";
+  // Head dim 64 in the Hopper dense family: 128-row query tiles (a tile's fixed chain of waits
+  // and exchanges serves twice the products; docs/PERF_LOG.md).
+  plan.block_m = hopper && v == Variant::kWindow && padded_head_dim(p.d) == 64 ? 128 : 64;
+  plan.why_tile = plan.block_m == 128 ? "head dim 64: 128-row query tiles, each CTA's keys held in place"
+                                      : "64-row query tiles, each CTA's keys held in place";
+  plan.dq = !deterministic                    ? DqMode::kAtomic
+            : hopper && v == Variant::kWindow ? DqMode::kOrdered
+                                              : DqMode::kSeparate;
+  plan.head_splits = plan.dq != DqMode::kAtomic ? 1
+                     : v == Variant::kWindow    ? plan_bwd_head_splits(bp, dev, plan.block_m)
+                                                : plan_bwd_block_sparse_head_splits(bp, dev);
+  // CTAs in head groups (bwd_tile_of_cta: key block by key block over head_group units of the
+  // grid's y), as many as keep the group's Q and dO (16-bit) within a budget.
+  const int64_t units = int64_t(p.b) * p.h_kv * plan.head_splits;
+  if (plan.dq == DqMode::kOrdered) {
+    // Ordered reductions: key tile n of a head waits for n - 1 at every query tile, so the CTAs
+    // of a head that start together start n turns apart; grouped, a wave holds a few key tiles of
+    // each head. About 32 MiB per group, counting one query head per kv head. (H100, B2 H16: all
+    // heads in one group ran 1.5-1.8x the default at D = 128, L = 4k-16k; grid order 1.2-1.3x at
+    // 4k; this rule 1.0-1.14x from 4k; docs/PERF_LOG.md.)
+    const int64_t qdo_bytes = int64_t(p.lq) * (p.d + p.dv) * 2;
+    plan.head_group =
+        int(std::clamp<int64_t>((int64_t(32) << 20) / std::max<int64_t>(1, qdo_bytes), 1, units));
+  } else if (v == Variant::kWindow && p.window_left < 0 && p.window_right >= 0) {
+    // Causal-type windows, heaviest key blocks first: a group's Q and dO about 16 MiB, a share of L2.
+    plan.head_group = bwd_causal_head_group(p, plan.head_splits);
+  }
+  plan.why_schedule =
+      plan.dq == DqMode::kOrdered ? "one CTA per (key block, batch, kv head); dQ added in ascending key-tile "
+                                    "order (deterministic mode), heads grouped by ~32 MiB of Q and dO"
+      : plan.dq == DqMode::kSeparate
+          ? "one CTA per (key block, batch, kv head) for dK and dV; dQ by a kernel "
+            "of its own, without atomics (deterministic mode)"
+      : plan.head_splits > 1 ? "one CTA per (key block, batch, kv head, head split): few K/V heads, so a "
+                               "key block's walk over its query heads is shared, dK and dV summed in fp32"
+      : plan.head_group > 0  ? "one CTA per (key block, batch, kv head), heaviest key blocks first in "
+                               "head groups of ~16 MiB of Q and dO; dQ by vector reductions"
+                             : "one CTA per (key block, batch, kv head); dQ by fp32 reductions";
+  return plan;
+}
+
 namespace {
 
 // plan_bwd_head_splits' model (group > 1).
@@ -495,7 +568,8 @@ DecodePlan plan_decode(const DecodeParams& p, const DeviceInfo& dev, const PlanO
   const int smem_per_sm = dev.cc >= 90 ? 228 << 10 : ((dev.cc == 80 || dev.cc == 87) ? 164 << 10 : 100 << 10);
   const int smem = decode_smem_bytes(plan.head_dim) + (1 << 10);
   if (smem > smem_per_sm) {
-    plan.why = "composite path: the decode kernel's stages of this head dim exceed the device's shared memory";
+    plan.why =
+        "composite path: the decode kernel's stages of this head dim exceed the device's shared memory";
     return plan;
   }
   plan.supported = true;
@@ -527,9 +601,10 @@ DecodePlan plan_decode(const DecodeParams& p, const DeviceInfo& dev, const PlanO
   if (options.decode_splits > 0) splits = std::min<int64_t>({options.decode_splits, plan.est_key_tiles, 128});
   plan.num_splits = int(std::max<int64_t>(splits, 1));
   plan.dependent_launch = dev.cc >= 90 && plan.num_splits > 1;
-  plan.why = plan.num_splits > 1
-                 ? "split-KV: (batch, K/V head) pairs fill less than a wave, so each splits its keys and a combine kernel merges the splits' LSEs"
-                 : "one CTA per (batch, K/V head, row chunk): the pairs fill the GPU (or the keys are few), no combine";
+  plan.why = plan.num_splits > 1 ? "split-KV: (batch, K/V head) pairs fill less than a wave, so each splits "
+                                   "its keys and a combine kernel merges the splits' LSEs"
+                                 : "one CTA per (batch, K/V head, row chunk): the pairs fill the GPU (or the "
+                                   "keys are few), no combine";
   return plan;
 }
 
@@ -543,6 +618,18 @@ const char* core_name(Core core) {
       return "portable";
     case Core::kHopper:
       return "hopper";
+  }
+  return "?";
+}
+
+const char* dq_mode_name(DqMode mode) {
+  switch (mode) {
+    case DqMode::kAtomic:
+      return "atomic";
+    case DqMode::kOrdered:
+      return "ordered";
+    case DqMode::kSeparate:
+      return "separate";
   }
   return "?";
 }

@@ -120,10 +120,10 @@ enum class Schedule : int {
 
 // The device a call runs on. cc = 0: the CPU.
 struct DeviceInfo {
-  int cc = 0;                 // compute capability, major * 10 + minor
-  int sms = 0;                // streaming multiprocessors
-  bool sm90_kernels = false;  // this build holds the sm_90a kernels
-  bool tma = false;           // the driver can encode TMA descriptors
+  int cc = 0;                      // compute capability, major * 10 + minor
+  int sms = 0;                     // streaming multiprocessors
+  bool sm90_kernels = false;       // this build holds the sm_90a kernels
+  bool tma = false;                // the driver can encode TMA descriptors
   bool cpu_bf16_products = false;  // CPU: bf16 matrix instructions (AMX) the CPU kernels use
 };
 
@@ -200,6 +200,37 @@ int plan_bwd_block_sparse_head_splits(const AttnBwdParams& params, const DeviceI
 // within 16 MiB.
 int bwd_causal_head_group(const AttnFwdParams& params, int head_splits);
 
+// The tensor-core backward takes 16-bit inputs with Dv == D <= 128 (kHeadDim 64 or 128); the
+// CUDA-core kernel the rest.
+constexpr bool bwd_tensor_cores(ScalarKind dtype, int64_t d, int64_t dv) {
+  return dtype != ScalarKind::kFloat32 && d == dv && d <= 128;
+}
+
+// How the backward adds each query tile's dQ: kAtomic, reductions in any order; kOrdered, the
+// Hopper dense family's reductions in ascending key-tile order (deterministic mode); kSeparate,
+// the key-major kernel computes dK and dV only and a query-major kernel dQ (deterministic mode
+// elsewhere).
+enum class DqMode : int { kAtomic = 0, kOrdered = 1, kSeparate = 2 };
+
+struct BwdPlan {
+  Core core = Core::kCpu;
+  int block_m = 64;     // query rows per tile (the tensor-core kernels)
+  int block_n = 128;    // keys per CTA
+  int head_splits = 1;  // CTAs sharing a key block's walk over its GQA group (AttnBwdParams::head_splits)
+  int head_group =
+      0;  // grid y units walked key block by key block (AttnBwdParams::head_group; 0: grid order)
+  DqMode dq = DqMode::kAtomic;
+  const char* why_core = "";
+  const char* why_tile = "";
+  const char* why_schedule = "";
+};
+
+// flash_bwd (Variant::kWindow) and block_sparse_bwd (kBlockSparse; params.fwd carries the mask's
+// block sizes) for the forward params a call filled; deterministic: torch's deterministic mode.
+// The CUDA glue runs what this returns; explain shows it.
+BwdPlan plan_bwd(const AttnBwdParams& params, Variant variant, const DeviceInfo& device,
+                 const PlanOptions& options, bool deterministic);
+
 struct SelectPlan {
   bool tensor_core_scoring = false;  // topk_score fills the workspace 64-row query tiles at a time
   int64_t workspace_bytes = 0;       // the fp32 score workspace (bounded: never B * H * Lq * Lk)
@@ -255,7 +286,9 @@ int select_score_splits(const SelectPlan& plan, int64_t n);
 // SM's share of HBM bandwidth times latency needs).
 constexpr int kDecodeBlockN = 64;
 constexpr int decode_stages(int head_dim) { return head_dim <= 64 ? 4 : (head_dim <= 128 ? 3 : 2); }
-constexpr int decode_smem_bytes(int head_dim) { return decode_stages(head_dim) * 2 * kDecodeBlockN * head_dim * 2; }
+constexpr int decode_smem_bytes(int head_dim) {
+  return decode_stages(head_dim) * 2 * kDecodeBlockN * head_dim * 2;
+}
 
 struct DecodePlan {
   bool supported = false;  // false: the op's composite path (gather + dense_attention) serves it
@@ -276,5 +309,6 @@ DecodePlan plan_decode(const DecodeParams& params, const DeviceInfo& device, con
 
 const char* core_name(Core core);
 const char* schedule_name(Schedule schedule);
+const char* dq_mode_name(DqMode mode);
 
 }  // namespace sparse_attn

@@ -21,11 +21,6 @@ namespace sparse_attn {
 // group.
 constexpr int kBwdBlockM = 64;
 
-// The tensor-core kernel takes 16-bit inputs with Dv == D <= 128 (kHeadDim 64 or 128).
-constexpr bool bwd_tensor_cores(ScalarKind dtype, int64_t d, int64_t dv) {
-  return dtype != ScalarKind::kFloat32 && d == dv && d <= 128;
-}
-
 template <ScalarKind kDtype>
 cudaError_t run_bwd_preprocess_(const AttnBwdParams& params, cudaStream_t stream);
 
