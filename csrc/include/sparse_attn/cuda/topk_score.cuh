@@ -214,13 +214,18 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
     row_min[0] = order_key_to_float(p.thresholds[wrow]);
     row_min[1] = order_key_to_float(p.thresholds[wrow + 8]);
   }
-  const unsigned quad = 0xfu << (lane & ~3);
-  auto flush = [&](int rr) {  // the quad's staged candidates of row rr to its slice
-    __syncwarp(quad);
+  // Every quad's staged candidates of row rr to its slice, the whole warp at once (called
+  // warp-uniformly): once one quad's stage is full the warp runs this anyway (a branch of any of
+  // its lanes), and emptying every quad's stage there spaces the flushes out. (Flushing only the
+  // full quad's, the warp flushed in about half of its emit steps, and its four warps, which meet
+  // at the next wgmma, waited there for the one that flushed most: 13 % of the stall samples;
+  // the scorer took 1.16x the time, docs/PERF_LOG.md.)
+  auto flush = [&](int rr) {
+    __syncwarp();
     uint2* dst = reinterpret_cast<uint2*>(p.cand) + (wrow + 8 * rr) * p.cand_cap + split * p.cand_slice;
     for (int e = t; e < staged[rr]; e += 4)
       if (flushed[rr] + e < p.cand_slice) dst[flushed[rr] + e] = stage_buf[rr * 8 * L::kStage + e];
-    __syncwarp(quad);
+    __syncwarp();
     flushed[rr] += staged[rr];
     staged[rr] = 0;
   };
@@ -252,7 +257,7 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
           if (t >= o) incl += y;
         }
         const int total = __shfl_sync(0xffffffffu, incl, 3, 4);
-        if (staged[rr] + total > L::kStage) flush(rr);  // quad-uniform
+        if (__any_sync(0xffffffffu, staged[rr] + total > L::kStage)) flush(rr);  // warp-uniform
         // (A pointer stepped per store: an index recomputed per value cost 3 more instructions.)
         uint2* dst = stage_buf + rr * 8 * L::kStage + (staged[rr] + incl - mine);
 #pragma unroll
