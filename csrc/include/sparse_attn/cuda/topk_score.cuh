@@ -43,7 +43,9 @@ struct ScoreLayout {
   static constexpr int kKBytes = kTopkScoreBlockN * kDim * 2;
   // K ring (2 stages), then Q (heads x 64 x kDim; 1024-byte aligned, as wgmma's swizzle wants),
   // then the weights (64 x heads fp32), then (filtered scoring) each row's staged candidates.
-  static constexpr int kStage = 32;  // candidates a row stages in shared memory (8 bytes each)
+  // Candidates a row stages in shared memory (8 bytes each): 48 keeps 3 CTAs per SM at 4 indexer
+  // heads (73 KiB each); 32 flushed more often, 1.02x the time at 64k (docs/PERF_LOG.md).
+  static constexpr int kStage = 48;
   static int smem_bytes(int heads, bool filtered) {
     return 2 * kKBytes + heads * kTileBytes + kTopkScoreBlockM * heads * 4 +
            (filtered ? kTopkScoreBlockM * kStage * 8 : 0);
