@@ -623,15 +623,9 @@ const char* core_name(Core core) {
 }
 
 const char* dq_mode_name(DqMode mode) {
-  switch (mode) {
-    case DqMode::kAtomic:
-      return "atomic";
-    case DqMode::kOrdered:
-      return "ordered";
-    case DqMode::kSeparate:
-      return "separate";
-  }
-  return "?";
+  constexpr const char* kNames[] = {"atomic", "ordered", "separate"};  // DqMode's values in order
+  const int i = int(mode);
+  return i >= 0 && i < 3 ? kNames[i] : "?";
 }
 
 const char* schedule_name(Schedule schedule) {
