@@ -908,7 +908,7 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
         qa = qc.data();
         lda = D;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + int64_t(rows) * Dv, 0.f);  // the rows this tile has
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), 0.f);
 
