@@ -310,8 +310,8 @@ BwdPlan plan_bwd(const AttnBwdParams& bp, Variant v, const DeviceInfo& dev, cons
       : plan.head_splits > 1 ? "one CTA per (key block, batch, kv head, head split): few K/V heads, so a "
                                "key block's walk over its query heads is shared, dK and dV summed in fp32"
       : plan.head_group > 0  ? "one CTA per (key block, batch, kv head), heaviest key blocks first in "
-                               "head groups of ~16 MiB of Q and dO; dQ by vector reductions"
-                             : "one CTA per (key block, batch, kv head); dQ by fp32 reductions";
+                               "head groups of ~16 MiB of Q and dO; dQ summed in fp32"
+                             : "one CTA per (key block, batch, kv head); dQ summed in fp32";
   return plan;
 }
 
