@@ -297,6 +297,11 @@ def _flash_launch(q, k, v, causal, left, right, tgt, count=1, role="") -> Launch
     return replace(launch, backward=_launch("flash_bwd", text, count, role))
 
 
+def _backward_launches(launches) -> tuple[Launch, ...]:
+    """The backward launches of a plan's forward launches (those that have one)."""
+    return tuple(launch.backward for launch in launches if launch.backward is not None)
+
+
 def _block_sparse_launch(q, k, v, q_block, kv_block, tgt) -> Launch:
     launch = _launch("block_sparse_fwd", _ops._plan_block_sparse.default(q, k, v, q_block, kv_block, *tgt))
     det = torch.are_deterministic_algorithms_enabled()
@@ -540,7 +545,7 @@ def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
     kernels = sorted({_BACKWARD[launch.kernel] for launch in plan.launches if launch.kernel in _BACKWARD})
     if kernels:
         args = bound.arguments
-        launches = tuple(launch.backward for launch in plan.launches if launch.backward is not None)
+        launches = _backward_launches(plan.launches)
         text = _backward(", ".join(kernels), args["query"], args["value"], tgt, launches)
         plan = replace(plan, backward=text, backward_launches=launches)
     return plan

@@ -1514,7 +1514,7 @@ def _explain(name: str, args, kwargs, tgt):
     (a group of similar calls as one launch with a count, planned on the first of them), for the
     arguments as the call would pass them (DTensors, a DeviceMesh group). Reads the process group's
     rank and size; no collective, no kernel."""
-    from ._plan import Launch, Plan, _backward, _flash_launch, _launch
+    from ._plan import Launch, Plan, _backward, _backward_launches, _flash_launch, _launch
 
     signature = inspect.signature(globals()[name])
     given = dict(signature.bind(*args, **kwargs).arguments)
@@ -1581,7 +1581,7 @@ def _explain(name: str, args, kwargs, tgt):
                     role=f"this shard's rows {qs}-{qs + lq - 1}",
                 )
             )
-        bwd = tuple(launch.backward for launch in launches)
+        bwd = _backward_launches(launches)
         backward = _backward("flash_bwd", q, v, tgt, bwd) + "; K/V gradients reduced to their owners"
         return Plan(name, "context_parallel_allgather", why, tuple(launches), backward, bwd)
     shards = [_local_chunks(chunks) for chunks in bounds]
@@ -1646,7 +1646,7 @@ def _explain(name: str, args, kwargs, tgt):
                 role="this rank's slices",
             )
         )
-    bwd = tuple(launch.backward for launch in launches if launch.backward is not None)
+    bwd = _backward_launches(launches)
     backward = (
         _backward("flash_bwd", q, v, tgt, bwd)
         + f"; the query slices' exchange in {_BACKWARD_SLICES} rounds, dK/dV accumulated in fp32 by their owner, "
