@@ -360,11 +360,12 @@ bool load_kv_tile(const AttnFwdParams& p, int b, int hk, int n0, int cols, float
   const int64_t ld = kv.k_ld();
   for (int x = 0; x < D; ++x)  // written contiguously, read across the (L1-resident) rows
     for (int c = 0; c < N; ++c) kt[x * ld + c] = c < cols ? to_float(k[c * stride + x]) : 0.f;
-  if (vc == nullptr) {  // fp32 V in place
-    bool finite = true;
-    for (int c = 0; c < cols; ++c)
-      finite &= all_finite(reinterpret_cast<const float*>(v_row<T>(p, b, hk, n0 + c)), Dv);
-    return finite;
+  if constexpr (std::is_same_v<T, float>) {
+    if (vc == nullptr) {  // fp32 V in place: only checked
+      bool finite = true;
+      for (int c = 0; c < cols; ++c) finite &= all_finite(v_row<T>(p, b, hk, n0 + c), Dv);
+      return finite;
+    }
   }
   float* vt = vc + kv.v_offset(slot, 0);
   for (int c = 0; c < cols; ++c) load_row(v_row<T>(p, b, hk, n0 + c), Dv, &vt[c * Dv]);
@@ -869,7 +870,8 @@ void tiled_attention(const AttnFwdParams& p, const TileGemm& g) {
   constexpr bool kQInPlace = std::is_same_v<T, Op>;  // Q's rows are the product's operand as they are
   // fp32 V: a group's rows are one operand as they lie (consecutive keys at a fixed stride), so the
   // P V product reads them in place; only a tile holding NaN or Inf is copied, for the guarded
-  // product. (Its copy was half of the K/V conversion's time at L = 256, D = 128.)
+  // product. (It saves the per-thread copy of a head's V, 2 MB at 4k and D = 128; the speed was
+  // unchanged: the read, not the copy, was the conversion's cost; docs/PERF_LOG.md.)
   const bool v_in_place = std::is_same_v<T, float> && p.v_row_stride >= Dv && p.v_row_stride <= INT_MAX;
 #ifdef SA_CPU_AVX512
   const bool avx512_bf16 = use_avx512_bf16();
