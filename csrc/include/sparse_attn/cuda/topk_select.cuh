@@ -222,10 +222,26 @@ __device__ __forceinline__ void for_candidates(const uint2* cand, int n_seg, int
   }
 }
 
+// The first digit of a candidates row: its key's top 16 bits against the row's threshold (whose
+// low 16 bits are zero), bins 1-254 exact 16-bit prefixes from one below the threshold's up; bin 0
+// takes every lower key (-0.0 passes a +0.0 threshold's float test), bin 255 every higher one
+// (NaN among them). Candidates crowd just above the threshold, so the 256 bins spread them where
+// the plain top byte (shared by nearly all) would not.
+__device__ __forceinline__ unsigned candidate_bin(uint32_t key, int base) {
+  return unsigned(min(max(int(key >> 16) - base, 0), 255));
+}
+
 // Selection among a workspace row's candidates (every visible key not below its threshold, in
 // the slices of its scoring threads; scores as float bits).
+//
+// The k-th largest key is found a digit at a time, 8 bits per round, and the search stops at the
+// first digit whose bin the row takes whole (its count equals what is still needed): the taken
+// keys are then those at or above the bin's lower bound and no ties are split. The first digit
+// is candidate_bin's, counted while the candidates are read (where the row has a threshold and the
+// k-th key lands in an exact bin); otherwise the key's top byte, as for any row.
+// (At most 48 registers: five CTAs per SM where the shared memory allows them, as at 64k keys.)
 template <typename T>
-__global__ void __launch_bounds__(kSelectThreads)
+__global__ void __launch_bounds__(kSelectThreads, 5)
     topk_candidates_kernel(__grid_constant__ const TopkSelectParams p) {
   extern __shared__ __align__(16) char cand_smem[];
   CandidateSmem& sm = *reinterpret_cast<CandidateSmem*>(cand_smem);
@@ -253,17 +269,38 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
   if (tid < n_seg) sm.start[tid] = off, sm.count[tid] = mine;
   const int words = (nv + 31) / 32;
-  for (int x = tid; x < words; x += kSelectThreads) above[x] = at[x] = 0u;
+  for (int x = tid; x < words; x += kSelectThreads) above[x] = 0u;
+  const uint32_t row_threshold = p.thresholds[blockIdx.x];
+  const bool spread = row_threshold >= (2u << 16);  // a threshold, and a bin below it
+  const int base = int(row_threshold >> 16) - 1;
+  for (int x = tid; x < 256; x += kSelectThreads) sm.hist[x] = 0u;
   __syncthreads();
   const uint2* cand = reinterpret_cast<const uint2*>(p.cand) + int64_t(blockIdx.x) * p.cand_cap;
-  for_candidates(cand, n_seg, cap_t, sm, [&](int x, uint32_t key, int) { keys[x] = key; });
+  for_candidates(cand, n_seg, cap_t, sm, [&](int x, uint32_t key, int) {
+    keys[x] = key;
+    if (spread) atomicAdd(&sm.hist[candidate_bin(key, base)], 1u);
+  });
   __syncthreads();
 
-  // The kk-th largest key, 8 bits a round; `need` becomes the number of keys equal to it to take
-  // (lowest index first).
-  int need = kk;
+  // The kk-th largest key: `threshold` its known bits (`known`), `need` the keys still to take
+  // among those that share them; `whole`: every key sharing them is taken.
+  int need = kk, shift = 24;
   uint32_t threshold = 0u, known = 0u;
-  for (int shift = 24; shift >= 0; shift -= 8) {
+  bool whole = false;
+  if (spread) {
+    if (warp == 0) find_bin(sm.hist, 256, need, sm);
+    __syncthreads();
+    const unsigned bin = sm.digit;
+    if (bin >= 1u && bin <= 254u) {
+      threshold = uint32_t(base + int(bin)) << 16;
+      known = 0xffff0000u;
+      whole = sm.hist[bin] == unsigned(sm.need);
+      need = sm.need;
+      shift = 8;
+    }
+    __syncthreads();  // sm.hist is cleared below
+  }
+  for (; shift >= 0 && !whole; shift -= 8) {
     for (int x = tid; x < 256; x += kSelectThreads) sm.hist[x] = 0u;
     __syncthreads();
     for (int c0 = warp * 32; c0 < count; c0 += kSelectThreads) {
@@ -278,41 +315,57 @@ __global__ void __launch_bounds__(kSelectThreads)
     __syncthreads();
     threshold |= sm.digit << shift;
     known |= 255u << shift;
+    whole = sm.hist[sm.digit] == unsigned(sm.need);
     need = sm.need;
     __syncthreads();  // sm.digit / sm.need are rewritten by the next round
   }
+  // Ties to split (the bin of the kk-th key is a single key value taken in part): marked apart.
+  const bool ties = !whole;
+  if (ties) {
+    for (int x = tid; x < words; x += kSelectThreads) at[x] = 0u;
+    __syncthreads();
+  }
+  // Taken: keys at or above `cut` (the bin's lower bound, or past the tied key; 2^32: none).
+  const uint64_t cut = uint64_t(threshold) + (whole ? 0u : 1u);
   for_candidates(cand, n_seg, cap_t, sm, [&](int, uint32_t key, int j) {
-    if (key > threshold)
+    if (key >= cut)
       atomicOr(&above[j / 32], 1u << (j % 32));
-    else if (key == threshold)
+    else if (key == threshold && ties)
       atomicOr(&at[j / 32], 1u << (j % 32));
   });
   __syncthreads();
 
   // Each thread its own contiguous words: ties taken in key order up to `need`, then every marked
-  // key written in order.
+  // key staged in order in shared memory (over the keys, no longer read) and written out whole.
   const int per = (words + kSelectThreads - 1) / kSelectThreads;
   const int w0 = min(words, tid * per), w1 = min(words, w0 + per);
-  int n_at = 0;
-  for (int x = w0; x < w1; ++x) n_at += __popc(at[x]);
-  int total;
-  int tie_rank = cta_exclusive_sum(n_at, sm.warp_sums, total);
   int n_take = 0;
-  for (int x = w0; x < w1; ++x) {
-    uint32_t word = above[x], ties = at[x];
-    while (ties != 0u && tie_rank < need) {
-      word |= ties & (~ties + 1u);  // the lowest tie bit
-      ties &= ties - 1u;
-      ++tie_rank;
+  if (ties) {
+    int n_at = 0;
+    for (int x = w0; x < w1; ++x) n_at += __popc(at[x]);
+    int total;
+    int tie_rank = cta_exclusive_sum(n_at, sm.warp_sums, total);
+    for (int x = w0; x < w1; ++x) {
+      uint32_t word = above[x], t_bits = at[x];
+      while (t_bits != 0u && tie_rank < need) {
+        word |= t_bits & (~t_bits + 1u);  // the lowest tie bit
+        t_bits &= t_bits - 1u;
+        ++tie_rank;
+      }
+      above[x] = word;
+      n_take += __popc(word);
     }
-    above[x] = word;
-    n_take += __popc(word);
+  } else {
+    for (int x = w0; x < w1; ++x) n_take += __popc(above[x]);
   }
+  int total;
   int pos = cta_exclusive_sum(n_take, sm.warp_sums, total);
+  int* staged = reinterpret_cast<int*>(keys);  // cand_cap entries: the plan makes them >= 2.5 k
   for (int x = w0; x < w1; ++x) {
-    for (uint32_t word = above[x]; word != 0u; word &= word - 1u) out[pos++] = x * 32 + __ffs(word) - 1;
+    for (uint32_t word = above[x]; word != 0u; word &= word - 1u) staged[pos++] = x * 32 + __ffs(word) - 1;
   }
-  for (int x = kk + tid; x < p.topk; x += kSelectThreads) out[x] = -1;
+  __syncthreads();
+  for (int x = tid; x < p.topk; x += kSelectThreads) out[x] = x < kk ? staged[x] : -1;
 }
 
 }  // namespace sparse_attn::cuda
