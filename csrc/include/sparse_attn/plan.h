@@ -257,11 +257,14 @@ constexpr int kMaxFilterSplits = 8;
 
 // Shared memory of a filtered selection's candidates kernel (a CTA per row): its state (at most
 // kCandidateStateBytes, which topk_select.cuh checks against the state's type), the candidates'
-// keys, and two bitmaps of the row's keys (above the threshold, at it). The plan bounds it, the
-// launcher allocates it.
+// keys (a bitmap of the row's keys tied at the k-th one takes their place once they are read),
+// and a bitmap of the row's keys taken. The plan bounds it, the launcher allocates it.
 constexpr int64_t kCandidateStateBytes = 2048;
+constexpr int64_t candidate_key_words(int64_t cand_cap, int64_t lk) {
+  return cand_cap > (lk + 31) / 32 ? cand_cap : (lk + 31) / 32;
+}
 constexpr int64_t candidate_smem_bytes(int64_t cand_cap, int64_t lk) {
-  return kCandidateStateBytes + cand_cap * 4 + (lk + 31) / 32 * 8;
+  return kCandidateStateBytes + candidate_key_words(cand_cap, lk) * 4 + (lk + 31) / 32 * 4;
 }
 
 // Byte offsets of a filtered selection's workspace regions for a chunk of `rows` workspace rows

@@ -239,15 +239,16 @@ __device__ __forceinline__ unsigned candidate_bin(uint32_t key, int base) {
 // keys are then those at or above the bin's lower bound and no ties are split. The first digit
 // is candidate_bin's, counted while the candidates are read (where the row has a threshold and the
 // k-th key lands in an exact bin); otherwise the key's top byte, as for any row.
-// (At most 48 registers: five CTAs per SM where the shared memory allows them, as at 64k keys.)
+// (At most 48 registers: five CTAs per SM where the shared memory allows them, as at 64k and 128k
+// keys.)
 template <typename T>
 __global__ void __launch_bounds__(kSelectThreads, 5)
     topk_candidates_kernel(__grid_constant__ const TopkSelectParams p) {
   extern __shared__ __align__(16) char cand_smem[];
   CandidateSmem& sm = *reinterpret_cast<CandidateSmem*>(cand_smem);
   uint32_t* keys = reinterpret_cast<uint32_t*>(cand_smem + kCandidateStateBytes);
-  uint32_t* above = keys + p.cand_cap;
-  uint32_t* at = above + (p.lk + 31) / 32;
+  uint32_t* above = keys + candidate_key_words(p.cand_cap, p.lk);
+  uint32_t* at = keys;  // once the keys are read
   const int tid = threadIdx.x, warp = tid / 32, lane = lane_id();
   int64_t row;
   if (!chunk_row(p, blockIdx.x, row)) return;
@@ -319,7 +320,8 @@ __global__ void __launch_bounds__(kSelectThreads, 5)
     need = sm.need;
     __syncthreads();  // sm.digit / sm.need are rewritten by the next round
   }
-  // Ties to split (the bin of the kk-th key is a single key value taken in part): marked apart.
+  // Ties to split (the bin of the kk-th key is a single key value taken in part): marked apart,
+  // in the keys' place (the rounds ended with a barrier).
   const bool ties = !whole;
   if (ties) {
     for (int x = tid; x < words; x += kSelectThreads) at[x] = 0u;
@@ -360,7 +362,9 @@ __global__ void __launch_bounds__(kSelectThreads, 5)
   }
   int total;
   int pos = cta_exclusive_sum(n_take, sm.warp_sums, total);
-  int* staged = reinterpret_cast<int*>(keys);  // cand_cap entries: the plan makes them >= 2.5 k
+  // (In the keys' place: at least cand_cap entries, which the plan makes >= 2.5 k; the ties' bits
+  // were read before the barrier in cta_exclusive_sum.)
+  int* staged = reinterpret_cast<int*>(keys);
   for (int x = w0; x < w1; ++x) {
     for (uint32_t word = above[x]; word != 0u; word &= word - 1u) staged[pos++] = x * 32 + __ffs(word) - 1;
   }
