@@ -444,6 +444,17 @@ GatherPlan plan_gather(const AttnFwdParams& p, const DeviceInfo& dev) {
   return plan;
 }
 
+namespace {
+// Units per chunk: the fewest chunks of at most `most` units, as even as they can be (a last
+// chunk of a few units leaves most of the GPU idle in each of its launches: at 64k, k = 2048 the
+// filtered selection's 1024 query tiles fit 254 to a chunk, which made 4 x 254 + 8).
+int64_t even_chunk(int64_t units, int64_t most) {
+  most = std::clamp<int64_t>(most, 1, std::max<int64_t>(units, 1));
+  const int64_t chunks = (units + most - 1) / most;
+  return (units + chunks - 1) / std::max<int64_t>(chunks, 1);
+}
+}  // namespace
+
 SelectPlan plan_select(const TopkSelectParams& p, const DeviceInfo& dev, const PlanOptions& opt) {
   SelectPlan plan;
   const int64_t rows = int64_t(p.b) * p.h_sel * p.lq;
@@ -473,7 +484,7 @@ SelectPlan plan_select(const TopkSelectParams& p, const DeviceInfo& dev, const P
     plan.tensor_core_scoring = true;
     plan.n_qtiles = int((int64_t(p.lq) + kTopkScoreBlockM - 1) / kTopkScoreBlockM);
     plan.units = int64_t(p.b) * p.h_sel * plan.n_qtiles;
-    plan.per_chunk = std::max<int64_t>(1, std::min(plan.units, budget / tile_bytes));
+    plan.per_chunk = even_chunk(plan.units, budget / tile_bytes);
     plan.workspace_bytes = plan.per_chunk * tile_bytes;
     plan.why =
         "tensor-core scoring of 64-row query tiles into a bounded workspace, then a radix select per row";
@@ -516,6 +527,7 @@ SelectPlan plan_select(const TopkSelectParams& p, const DeviceInfo& dev, const P
         f.per_chunk = std::max<int64_t>(1, std::min(plan.units, (budget - fixed) / per_tile));
         while (f.per_chunk > 1 && filter_workspace(f, f.per_chunk * kTopkScoreBlockM).end > budget)
           --f.per_chunk;
+        f.per_chunk = even_chunk(plan.units, f.per_chunk);
         f.workspace_bytes = filter_workspace(f, f.per_chunk * kTopkScoreBlockM).end;
         f.why =
             "tensor-core scoring of 64-row query tiles; each row keeps the keys at or above a threshold "
@@ -526,7 +538,7 @@ SelectPlan plan_select(const TopkSelectParams& p, const DeviceInfo& dev, const P
     return plan;
   }
   plan.units = rows;
-  plan.per_chunk = std::clamp<int64_t>(budget / (plan.scores_stride * 4), 1, std::max<int64_t>(rows, 1));
+  plan.per_chunk = even_chunk(std::max<int64_t>(rows, 1), budget / (plan.scores_stride * 4));
   plan.workspace_bytes = plan.per_chunk * plan.scores_stride * 4;
   plan.why = tensor_cores
                  ? "the workspace holds less than one 64-row tile: each select CTA scores its own row"
@@ -539,7 +551,7 @@ FilterWorkspace filter_workspace(const SelectPlan& plan, int64_t rows) {
   auto up = [](int64_t x) { return (x + 15) / 16 * 16; };
   FilterWorkspace w;
   w.sample = 0;
-  w.thresholds = up(w.sample + rows * plan.sample_stride * 4);
+  w.thresholds = up(w.sample + rows * plan.sample_stride * 2);
   w.cand = up(w.thresholds + rows * 4);
   w.counts = up(w.cand + rows * plan.cand_cap * 8);
   w.fallback_rows = up(w.counts + (rows * kMaxFilterSplits + 1) * 4);

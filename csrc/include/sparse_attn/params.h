@@ -163,8 +163,9 @@ struct TopkSelectParams {
   int n_splits;  // CTAs per tile of the scoring launch, each a contiguous share of the key tiles
   bool prescored;
   // Filtered selection (SelectPlan::filter_stride > 0): the scores never reach memory. Per chunk,
-  // topk_score (score_mode 1) scores every filter_stride-th key tile into `scores` (the sample,
-  // scores_stride floats per workspace row); topk_select (select_mode 1) turns each row's sample
+  // topk_score (score_mode 1) scores every filter_stride-th key tile into `scores` (the sample:
+  // each score's top 16 key bits (order_key), scores_stride of them per workspace row, all the
+  // threshold needs); topk_select (select_mode 1) turns each row's sample
   // into a threshold that about 1.5 k of the row's keys reach; topk_score (score_mode 2) appends
   // the keys at or above it to the row's candidates; topk_select (select_mode 2) selects among
   // them, and rows whose candidates cannot decide (fewer than k, or more than cand_cap) go to a
@@ -180,7 +181,7 @@ struct TopkSelectParams {
   int* __restrict__ fallback_count = nullptr;     // the list's length (zeroed per chunk)
   int cand_cap = 0;
   int cand_target = 0;  // candidates a row's threshold aims at (SelectPlan::cand_target)
-  int cand_slice = 0;  // candidates per scoring CTA's slice of a row: cand_cap / n_splits
+  int cand_slice = 0;   // candidates per scoring CTA's slice of a row: cand_cap / n_splits
   int b, h, h_kv, lq, lk, d, topk;
   int h_sel;      // heads with their own index set: H (exact) or 1 (indexer)
   int h_per_kv;   // H / Hkv

@@ -242,7 +242,7 @@ struct SelectPlan {
   int key_tiles = 0;  // 64-key tiles
   int sms = 0;
   // Filtered selection (TopkSelectParams): the sample of every filter_stride-th key tile
-  // (sample_stride floats per row), candidates per row, and fallback_ctas rows of scores_stride
+  // (sample_stride 16-bit keys per row), candidates per row, and fallback_ctas rows of scores_stride
   // floats for the rows the candidates cannot decide. 0: the scores go through the workspace.
   int filter_stride = 0;
   int cand_cap = 0, cand_target = 0;  // room per row; the candidates its threshold aims at

@@ -269,13 +269,25 @@ __global__ void __launch_bounds__(kScoreThreads, kDim == 64 ? (kHeadPairs ? 3 : 
                 make_uint2(__float_as_uint(acc[x / 2][rr * 2 + x % 2]), uint32_t(n0 + (x / 2) * 8 + x % 2));
         staged[rr] += total;
       }
-    } else {
-      // Columns n and n + 1 of rows row_lo and row_lo + 8 (the workspace stride is a multiple
-      // of 4); the sample's columns are its tiles' keys in order.
+    } else if constexpr (kMode == 1) {
+      // The sample: columns n and n + 1 of rows row_lo and row_lo + 8 as 16-bit keys (the top bits
+      // of order_key, all the threshold needs), one 32-bit store each; its columns are its tiles'
+      // keys in order.
+      uint16_t* ks = reinterpret_cast<uint16_t*>(p.scores) + wrow * p.scores_stride;
+      auto pair = [](float a, float b) { return (order_key(a) >> 16) | (order_key(b) & 0xffff0000u); };
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni) {
         const int n = kt * kBN + half * 32 + ni * 8 + 2 * t;
-        if (kMode == 1 || n < p.lk) {
+        *reinterpret_cast<uint32_t*>(ks + n) = pair(acc[ni][0], acc[ni][1]);
+        *reinterpret_cast<uint32_t*>(ks + 8 * p.scores_stride + n) = pair(acc[ni][2], acc[ni][3]);
+      }
+    } else {
+      // Columns n and n + 1 of rows row_lo and row_lo + 8 (the workspace stride is a multiple
+      // of 4).
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int n = kt * kBN + half * 32 + ni * 8 + 2 * t;
+        if (n < p.lk) {
           *reinterpret_cast<float2*>(ws + n) = make_float2(acc[ni][0], acc[ni][1]);
           *reinterpret_cast<float2*>(ws + 8 * p.scores_stride + n) = make_float2(acc[ni][2], acc[ni][3]);
         }

@@ -154,27 +154,28 @@ __global__ void __launch_bounds__(kThresholdWarps * 32)
     if (lane == 0) p.thresholds[w] = 0u;
     return;
   }
-  const float* s = p.scores + w * p.scores_stride;
+  // The sample's 16-bit keys (the top bits of order_key).
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(p.scores) + w * p.scores_stride;
   uint32_t prefix = 0u, known = 0u;
   for (int shift = 24; shift >= 16; shift -= 8) {
     for (int x = lane; x < 256; x += 32) hist[x] = 0u;
     __syncwarp();
-    // Four columns of one tile per lane (rows are 16-byte aligned, tiles 64 columns), four loads
+    // Eight columns of one tile per lane (rows are 16-byte aligned, tiles 64 columns), four loads
     // in flight.
-    for (int c0 = 0; c0 < n_cols; c0 += 512) {
-      float4 v[4];
+    for (int c0 = 0; c0 < n_cols; c0 += 1024) {
+      uint4 v[4];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int c = c0 + 128 * r + 4 * lane;
-        if (c < n_cols) v[r] = *reinterpret_cast<const float4*>(s + c);
+        const int c = c0 + 256 * r + 8 * lane;
+        if (c < n_cols) v[r] = *reinterpret_cast<const uint4*>(s + c);
       }
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int c = c0 + 128 * r + 4 * lane, j = c < n_cols ? key_of(c) : nv;
-        const float f[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+        const int c = c0 + 256 * r + 8 * lane, j = c < n_cols ? key_of(c) : nv;
+        const uint32_t words[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t u = order_key(f[e]);
+        for (int e = 0; e < 8; ++e) {
+          const uint32_t u = e % 2 == 0 ? words[e / 2] << 16 : words[e / 2] & 0xffff0000u;
           // (The sample's top bits: a few values, one of them most.)
           radix_hist_add<true>(hist, u, shift, j + e < nv && (u & known) == prefix);
         }
