@@ -131,7 +131,7 @@ constexpr int kThresholdWarps = 8;  // rows per CTA of topk_threshold_kernel (a 
 template <typename T>
 __global__ void __launch_bounds__(kThresholdWarps * 32)
     topk_threshold_kernel(__grid_constant__ const TopkSelectParams p) {
-  __shared__ unsigned hists[kThresholdWarps][256];
+  __shared__ unsigned hists[kThresholdWarps][256], los[kThresholdWarps][512];
   const int warp = threadIdx.x / 32, lane = lane_id();
   unsigned* hist = hists[warp];
   const int64_t w = int64_t(blockIdx.x) * kThresholdWarps + warp;  // chunks are whole 64-row tiles
@@ -156,12 +156,10 @@ __global__ void __launch_bounds__(kThresholdWarps * 32)
   }
   // The sample's 16-bit keys (the top bits of order_key).
   const uint16_t* s = reinterpret_cast<const uint16_t*>(p.scores) + w * p.scores_stride;
-  uint32_t prefix = 0u, known = 0u;
-  for (int shift = 24; shift >= 16; shift -= 8) {
-    for (int x = lane; x < 256; x += 32) hist[x] = 0u;
-    __syncwarp();
-    // Eight columns of one tile per lane (rows are 16-byte aligned, tiles 64 columns), four loads
-    // in flight.
+  // f(u, visible) for each sample key u (the top half of a 32-bit key), called warp-uniformly;
+  // eight columns of one tile per lane (rows are 16-byte aligned, tiles 64 columns), four loads in
+  // flight. Before f, first(u, visible) for the keys of the first 1024 columns, then first_done().
+  auto scan = [&](auto&& first, auto&& first_done, auto&& f) {
     for (int c0 = 0; c0 < n_cols; c0 += 1024) {
       uint4 v[4];
 #pragma unroll
@@ -169,22 +167,55 @@ __global__ void __launch_bounds__(kThresholdWarps * 32)
         const int c = c0 + 256 * r + 8 * lane;
         if (c < n_cols) v[r] = *reinterpret_cast<const uint4*>(s + c);
       }
+      auto each = [&](auto&& g) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int c = c0 + 256 * r + 8 * lane, j = c < n_cols ? key_of(c) : nv;
-        const uint32_t words[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+        for (int r = 0; r < 4; ++r) {
+          const int c = c0 + 256 * r + 8 * lane, j = c < n_cols ? key_of(c) : nv;
+          const uint32_t words[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const uint32_t u = e % 2 == 0 ? words[e / 2] << 16 : words[e / 2] & 0xffff0000u;
-          // (The sample's top bits: a few values, one of them most.)
-          radix_hist_add<true>(hist, u, shift, j + e < nv && (u & known) == prefix);
+          for (int e = 0; e < 8; ++e)
+            g(e % 2 == 0 ? words[e / 2] << 16 : words[e / 2] & 0xffff0000u, j + e < nv);
         }
+      };
+      if (c0 == 0) {
+        each(first);
+        first_done();
       }
+      each(f);
     }
+  };
+  // One pass: the histogram of the keys' top byte, and of the second byte of the keys whose top
+  // byte is top_max or one less, top_max the largest among the first 1024 columns. The threshold's
+  // rank is a few percent of the row and a top byte spans two binades of scores, so its top byte
+  // is nearly always one of the two; otherwise a second pass counts its second byte.
+  unsigned* lo = los[warp];
+  for (int x = lane; x < 256; x += 32) hist[x] = lo[x] = lo[256 + x] = 0u;
+  __syncwarp();
+  uint32_t top_max = 0u;
+  scan([&](uint32_t u, bool ok) { top_max = ok ? max(top_max, u >> 24) : top_max; },
+       [&]() { top_max = __reduce_max_sync(0xffffffffu, top_max); },
+       [&](uint32_t u, bool ok) {
+         const uint32_t top = u >> 24;
+         if (ok && top + 1u >= top_max && top <= top_max)
+           atomicAdd(&lo[(top_max - top) * 256 + ((u >> 16) & 255u)], 1u);
+         // (The sample's top bits: a few values, one of them most.)
+         hist_add_major(hist, top, ok);
+       });
+  __syncwarp();
+  const uint32_t top = warp_find_bin(hist, 256, need);
+  uint32_t prefix = top << 24;
+  if (top + 1u >= top_max && top <= top_max) {
+    prefix |= warp_find_bin(lo + (top_max - top) * 256, 256, need) << 16;
+  } else {
     __syncwarp();
-    prefix |= warp_find_bin(hist, 256, need) << shift;
-    known |= 255u << shift;
+    for (int x = lane; x < 256; x += 32) hist[x] = 0u;
     __syncwarp();
+    scan([](uint32_t, bool) {}, []() {},
+         [&](uint32_t u, bool ok) {
+           if (ok && (u >> 24) == top) atomicAdd(&hist[(u >> 16) & 255u], 1u);
+         });
+    __syncwarp();
+    prefix |= warp_find_bin(hist, 256, need) << 16;
   }
   if (lane == 0) p.thresholds[w] = prefix;
 }
