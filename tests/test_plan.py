@@ -365,6 +365,11 @@ def test_select_plans():
     with overrides(select_workspace_bytes=64 * 4096 * 4 * 3):
         select = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 64, target="sm90").launches[0]
         assert select.options["chunks"] == 86 and select.options["workspace_bytes"] == 64 * 4096 * 4 * 3
+    # Room for 200 of the 256 query tiles: two even chunks of 128, not 200 + 56 (a small last
+    # chunk's launches leave most of the GPU idle).
+    with overrides(select_workspace_bytes=64 * 4096 * 4 * 200):
+        select = sparse_attn.explain(sparse_attn.topk_attention, q, k, v, 64, target="sm90").launches[0]
+        assert select.options["chunks"] == 2 and select.options["workspace_bytes"] == 64 * 4096 * 4 * 128
     plan = sparse_attn.explain(sparse_attn.topk_attention, q.float(), k.float(), v.float(), 64, target="sm90")
     assert [x.core for x in plan.launches] == ["cuda_cores", "cuda_cores"]
 
