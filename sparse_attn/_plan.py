@@ -234,16 +234,24 @@ class Plan:
         return "\n".join(lines)
 
 
-def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target, launches: tuple[Launch, ...]) -> str:
-    """The backward of a call: its ops' backward kernels and where they run (for flash and
-    block-sparse kernels the plan layer's choice, ``launches``; top-k's gathered backward here)."""
+def _backward(kernels: str, launches: tuple[Launch, ...]) -> str:
+    """The backward of a call: its ops' backward kernels and where they run (the plan layer's
+    choice, ``launches``: plan_bwd's for flash and block-sparse kernels, plan_gather_bwd's for
+    top-k's gathered attention)."""
     if launches:
         first = launches[0]
         dq = first.options.get("dq")
+        if first.core == "none":
+            return f"{kernels} (nothing to compute)"
         if first.core == "cpu":
             return f"{kernels} (CPU kernels: P recomputed from the LSE)"
         if first.core == "cuda_cores":
             return f"{kernels} (CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics)"
+        if first.kernel == "gather_bwd":
+            return (
+                f"{kernels} (CUDA tensor-core kernel: a token's heads per warp, dQ in registers, dK and dV "
+                "reduced into fp32 accumulators)"
+            )
         name = "Hopper" if first.core == "hopper" else "portable mma.sync"
         if dq == "ordered":
             return (
@@ -258,12 +266,7 @@ def _backward(kernels: str, query: torch.Tensor, value: torch.Tensor, target, la
         if first.core == "hopper":
             return f"{kernels} (CUDA Hopper kernel: dK and dV in registers, dQ added by vector reductions)"
         return f"{kernels} (CUDA portable mma.sync kernel: dK and dV in registers, dQ by fp32 atomics)"
-    if query.device.type == "cpu" and target[0] == 0:
-        return f"{kernels} (CPU kernels: P recomputed from the LSE)"
-    tensor_cores = query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] == value.shape[-1] <= 128
-    if not tensor_cores:
-        return f"{kernels} (CUDA-core kernel: one query row per warp, dK and dV summed in fp32 with atomics)"
-    return f"{kernels} (CUDA tensor-core kernel: a token's heads per warp, dK and dV summed in fp32 with atomics)"
+    return kernels
 
 
 def _launch(kernel: str, text: str, count: int = 1, role: str = "") -> Launch:
@@ -295,6 +298,11 @@ def _flash_launch(q, k, v, causal, left, right, tgt, count=1, role="") -> Launch
     det = torch.are_deterministic_algorithms_enabled()
     text = _ops._plan_bwd.default(q, k, v, False, causal, left, right, 128, 128, det, *tgt)
     return replace(launch, backward=_launch("flash_bwd", text, count, role))
+
+
+def _gather_launch(q, k, v, heads, tgt) -> Launch:
+    launch = _launch("gather_fwd", _ops._plan_gather.default(q, k, v, heads, *tgt))
+    return replace(launch, backward=_launch("gather_bwd", _ops._plan_gather_bwd.default(q, k, v, heads, *tgt)))
 
 
 def _backward_launches(launches) -> tuple[Launch, ...]:
@@ -414,8 +422,7 @@ def _explain_topk(a, tgt) -> Plan:
         why = f"a selection made elsewhere (indices=), repeats dropped; attention over it: {attend.kind}, {attend.why}"
         if attend.kind == "masked_block" and a["key_lengths"] is None:
             return Plan("topk_attention", "user_topk", why, _masked_launches(q, k, v, on_cuda, tgt))
-        gather = _launch("gather_fwd", _ops._plan_gather.default(q, k, v, heads, *tgt))
-        return Plan("topk_attention", "user_topk", why, (gather,))
+        return Plan("topk_attention", "user_topk", why, (_gather_launch(q, k, v, heads, tgt),))
     indexer = [a[n] is not None for n in ("index_query", "index_key", "index_weights")]
     if any(indexer) and not all(indexer):
         raise ValueError("index_query, index_key and index_weights must be given together")
@@ -441,8 +448,7 @@ def _explain_topk(a, tgt) -> Plan:
     why = f"{route.why}; attention over it: {attend.kind}, {attend.why}"
     if attend.kind == "masked_block":
         return Plan("topk_attention", route.kind, why, (select, *_masked_launches(q, k, v, on_cuda, tgt)))
-    gather = _launch("gather_fwd", _ops._plan_gather.default(q, k, v, heads, *tgt))
-    return Plan("topk_attention", route.kind, why, (select, gather))
+    return Plan("topk_attention", route.kind, why, (select, _gather_launch(q, k, v, heads, tgt)))
 
 
 def _explain_kvcache(a, tgt) -> Plan:
@@ -544,9 +550,8 @@ def explain(op, *args, target: str | None = None, **kwargs) -> Plan:
         return replace(plan, backward="the baseline's math redone in fp32 through autograd (materialised)")
     kernels = sorted({_BACKWARD[launch.kernel] for launch in plan.launches if launch.kernel in _BACKWARD})
     if kernels:
-        args = bound.arguments
         launches = _backward_launches(plan.launches)
-        text = _backward(", ".join(kernels), args["query"], args["value"], tgt, launches)
+        text = _backward(", ".join(kernels), launches)
         plan = replace(plan, backward=text, backward_launches=launches)
     return plan
 

@@ -1582,7 +1582,7 @@ def _explain(name: str, args, kwargs, tgt):
                 )
             )
         bwd = _backward_launches(launches)
-        backward = _backward("flash_bwd", q, v, tgt, bwd) + "; K/V gradients reduced to their owners"
+        backward = _backward("flash_bwd", bwd) + "; K/V gradients reduced to their owners"
         return Plan(name, "context_parallel_allgather", why, tuple(launches), backward, bwd)
     shards = [_local_chunks(chunks) for chunks in bounds]
     if plan.method == "ring":
@@ -1648,7 +1648,7 @@ def _explain(name: str, args, kwargs, tgt):
         )
     bwd = _backward_launches(launches)
     backward = (
-        _backward("flash_bwd", q, v, tgt, bwd)
+        _backward("flash_bwd", bwd)
         + f"; the query slices' exchange in {_BACKWARD_SLICES} rounds, dK/dV accumulated in fp32 by their owner, "
         "dQ returned"
     )

@@ -212,6 +212,26 @@ def test_backward_plans():
         assert _bwd(ex(sparse_attn.flash_attention, *gqa, target="sm80")).options["dq"] == "separate"
     finally:
         torch.use_deterministic_algorithms(False)
+    # top-k: the gathered attention's backward (plan_gather_bwd) on the mma.sync layout, the
+    # Hopper forward's too; four warps of a DeepSeek-like token sharing its K/V stages
+    q, k, v = _qkv(h=64, hkv=1, lq=4096, lk=4096)
+    index = dict(
+        index_query=torch.randn(2, 4096, 4, 64, dtype=q.dtype),
+        index_key=torch.randn(2, 4096, 64, dtype=q.dtype),
+        index_weights=torch.rand(2, 4096, 4, dtype=q.dtype),
+    )
+    for target, forward in (("sm90", "hopper"), ("sm80", "portable")):
+        plan = ex(sparse_attn.topk_attention, q, k, v, 64, causal=True, **index, target=target)
+        assert [launch.core for launch in plan.launches if launch.kernel == "gather_fwd"] == [forward]
+        bwd = _bwd(plan)
+        assert (bwd.kernel, bwd.core, bwd.options["heads_per_warp"], bwd.options["shared_stages"]) == (
+            "gather_bwd",
+            "portable",
+            16,
+            1,
+        )
+    assert _bwd(ex(sparse_attn.topk_attention, q.float(), k.float(), v.float(), 64, target="sm90")).core == "cuda_cores"
+    assert _bwd(ex(sparse_attn.topk_attention, q, k, v, 64)).core == "cpu"
     # fp32 (or Dv != D): the CUDA-core kernel; CPU tensors: the CPU kernels
     fp32 = _bwd(ex(sparse_attn.flash_attention, *_qkv(dtype=torch.float32), target="sm90"))
     assert fp32.core == "cuda_cores" and "head_splits" not in fp32.options

@@ -618,8 +618,11 @@ std::string explain_bwd(const at::Tensor& query, const at::Tensor& key, const at
                            plan_options(), deterministic));
 }
 
-std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                           int64_t index_heads, int64_t target_cc, int64_t target_sms) {
+namespace {
+
+// The gathered attention's plan for these inputs; false: nothing to compute.
+bool planned_gather(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                    int64_t index_heads, int64_t target_cc, int64_t target_sms, GatherPlan& plan) {
   const QkvShape s = check_qkv(query, key, value);
   TORCH_CHECK(index_heads >= 1 && s.h % index_heads == 0, "the selection's heads must divide H=", s.h,
               ", got ", index_heads);
@@ -628,8 +631,18 @@ std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const
   PlannedInputs in = plan_inputs(query, key, value, device, aligned);
   in.params.h_idx = int(index_heads);
   in.params.h_per_idx = int(s.h / index_heads);
-  if (is_trivial(in.s)) return nothing_to_compute();
-  const GatherPlan plan = plan_gather(in.params, device);
+  if (is_trivial(in.s)) return false;
+  plan = plan_gather(in.params, device);
+  return true;
+}
+
+}  // namespace
+
+std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           int64_t index_heads, int64_t target_cc, int64_t target_sms) {
+  GatherPlan plan;
+  if (!planned_gather(query, key, value, index_heads, target_cc, target_sms, plan))
+    return nothing_to_compute();
   std::ostringstream out;
   out << "core=" << core_name(plan.core);
   if (plan.core == Core::kPortable)
@@ -637,6 +650,21 @@ std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const
         << "\nshared_stages=" << int(plan.shared_stages);
   if (plan.core == Core::kHopper)
     out << "\nhead_dim=" << plan.head_dim << "\nheads_per_cta=" << kGatherWgmmaHeads;
+  out << "\nwhy_core=" << plan.why;
+  return out.str();
+}
+
+std::string explain_gather_bwd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               int64_t index_heads, int64_t target_cc, int64_t target_sms) {
+  GatherPlan forward;
+  if (!planned_gather(query, key, value, index_heads, target_cc, target_sms, forward))
+    return nothing_to_compute();
+  const GatherBwdPlan plan = plan_gather_bwd(forward);
+  std::ostringstream out;
+  out << "core=" << core_name(plan.core);
+  if (plan.core == Core::kPortable)
+    out << "\nhead_dim=" << plan.head_dim << "\nheads_per_warp=" << plan.group
+        << "\nshared_stages=" << int(plan.shared_stages);
   out << "\nwhy_core=" << plan.why;
   return out.str();
 }

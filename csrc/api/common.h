@@ -137,6 +137,9 @@ std::string explain_bwd(const at::Tensor& query, const at::Tensor& key, const at
                         int64_t target_sms);
 std::string explain_gather(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            int64_t index_heads, int64_t target_cc, int64_t target_sms);
+// The backward of gather_fwd (plan_gather_bwd of its plan).
+std::string explain_gather_bwd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               int64_t index_heads, int64_t target_cc, int64_t target_sms);
 std::string explain_select(const at::Tensor& query, const at::Tensor& key, int64_t k, bool causal,
                            int64_t target_cc, int64_t target_sms);
 std::string explain_indexer_select(const at::Tensor& index_query, const at::Tensor& index_key,

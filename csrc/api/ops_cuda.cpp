@@ -427,10 +427,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_bwd(CudaBwdCall& c, Variant v
                dv_accum = at::zeros({s.b, s.h_kv, s.lk, s.dv}, f32);
     bp.dk_accum = dk_accum.data_ptr<float>();
     bp.dv_accum = dv_accum.data_ptr<float>();
-    // Top-k: the forward's plan decides between the tensor-core and the CUDA-core kernel (a
-    // Hopper forward plan has its backward on the mma.sync layout).
-    const GatherPlan plan = gather ? plan_gather(bp.fwd, cuda_device_info(c.q.get_device())) : GatherPlan{};
-    if (gather && (plan.core == Core::kPortable || plan.core == Core::kHopper)) {
+    // Top-k: the plan layer's backward of the forward's plan (plan_gather_bwd).
+    const GatherBwdPlan plan =
+        gather ? plan_gather_bwd(plan_gather(bp.fwd, cuda_device_info(c.q.get_device()))) : GatherBwdPlan{};
+    if (gather && plan.core == Core::kPortable) {
       check_launch(SA_HALF_DTYPE_SWITCH(bp.fwd.dtype, kDtype,
                                         [&] {
                                           return plan.head_dim == 64

@@ -223,6 +223,10 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int target_sms=0) -> str",
       &sparse_attn::explain_gather);
   m.def(
+      "_plan_gather_bwd(Tensor query, Tensor key, Tensor value, int index_heads, int target_cc=0, "
+      "int target_sms=0) -> str",
+      &sparse_attn::explain_gather_bwd);
+  m.def(
       "_plan_select(Tensor query, Tensor key, int k, bool causal=False, int target_cc=0, int target_sms=0) "
       "-> str",
       &sparse_attn::explain_select);

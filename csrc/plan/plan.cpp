@@ -444,6 +444,28 @@ GatherPlan plan_gather(const AttnFwdParams& p, const DeviceInfo& dev) {
   return plan;
 }
 
+GatherBwdPlan plan_gather_bwd(const GatherPlan& forward) {
+  GatherBwdPlan plan;
+  if (forward.core == Core::kPortable || forward.core == Core::kHopper) {
+    plan.core = Core::kPortable;
+    plan.head_dim = forward.head_dim;
+    plan.group = forward.group;
+    plan.shared_stages = forward.shared_stages;
+    plan.why =
+        plan.shared_stages
+            ? "mma.sync: a token's heads per warp, four warps of one token sharing its K/V stages; dK and "
+              "dV of a stage reduced once for all of them (fp32 vector reductions), dQ in registers"
+            : "mma.sync: a token's heads per warp; dK and dV reduced into fp32 accumulators (vector "
+              "reductions), dQ in registers";
+  } else if (forward.core == Core::kCudaCores) {
+    plan.core = Core::kCudaCores;
+    plan.why = "CUDA cores: one query row per warp, dK and dV summed in fp32 with atomics";
+  } else {
+    plan.why = "CPU tensors: P recomputed from the LSE, one thread per query row";
+  }
+  return plan;
+}
+
 namespace {
 // Units per chunk: the fewest chunks of at most `most` units, as even as they can be (a last
 // chunk of a few units leaves most of the GPU idle in each of its launches: at 64k, k = 2048 the

@@ -182,6 +182,19 @@ struct GatherPlan {
 // gather_fwd: attention over each query's listed keys (params.indices).
 GatherPlan plan_gather(const AttnFwdParams& params, const DeviceInfo& device);
 
+// Top-k's backward (gather_bwd.cuh), from its forward's plan: the tensor-core gathers (the Hopper
+// wgmma one too) have theirs on the mma.sync layout, a token's heads per warp (four warps of one
+// token sharing K/V stages where the forward's do), dK and dV reduced into fp32 accumulators; the
+// CUDA-core gather's is the kernel of one query row per warp.
+struct GatherBwdPlan {
+  Core core = Core::kCpu;  // kPortable (mma.sync), kCudaCores or kCpu
+  int head_dim = 0;        // kPortable: the compiled head dim (64 or 128)
+  int group = 1;           // kPortable: query heads per warp
+  bool shared_stages = false;
+  const char* why = "";
+};
+GatherBwdPlan plan_gather_bwd(const GatherPlan& forward);
+
 // The tensor-core backward of the dense family (reductions in any order, query tiles of block_m rows):
 // how many CTAs share each key block's walk over its GQA group's query heads
 // (AttnBwdParams::head_splits; a power of two dividing h_per_kv). One CTA walks a key block over
