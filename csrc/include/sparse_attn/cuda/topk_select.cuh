@@ -255,10 +255,10 @@ __device__ __forceinline__ void for_candidates(const uint2* cand, int n_seg, int
 }
 
 // The first digit of a candidates row: its key's top 16 bits against the row's threshold (whose
-// low 16 bits are zero), bins 1-254 exact 16-bit prefixes from one below the threshold's up; bin 0
-// takes every lower key (-0.0 passes a +0.0 threshold's float test), bin 255 every higher one
-// (NaN among them). Candidates crowd just above the threshold, so the 256 bins spread them where
-// the plain top byte (shared by nearly all) would not.
+// low 16 bits are zero; base = its top 16 bits - 1), bins 1-254 the exact 16-bit prefixes from the
+// threshold's up; bin 0 takes every lower key (-0.0 passes a +0.0 threshold's float test), bin
+// 255 every higher one (NaN among them). Candidates crowd just above the threshold, so the 256 bins spread
+// them where the plain top byte (shared by nearly all) would not.
 __device__ __forceinline__ unsigned candidate_bin(uint32_t key, int base) {
   return unsigned(min(max(int(key >> 16) - base, 0), 255));
 }
