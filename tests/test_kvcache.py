@@ -382,8 +382,20 @@ def test_explain_cpu():
     assert plan.route == "decode" and plan.launches[0].options["num_splits"] == 1, str(plan)
     long = torch.zeros(2, 2, 8192, 64, dtype=torch.bfloat16)
     plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q.bfloat16(), long, long, lens, target="sm90")
-    # 4 pairs, 396 CTA slots: 32 splits of the 128 key tiles (4 tiles each, the plan's minimum).
+    # 4 pairs on 132 SMs: 33 splits would give each SM one CTA; the 128 key tiles allow 32 (4 tiles
+    # each, the plan's minimum).
     assert plan.route == "decode_split_kv" and plan.launches[0].options["num_splits"] == 32, str(plan)
+    # Pages shorter than a key tile scatter its rows over the memory: two CTAs per SM hide that
+    # (twice the splits); longer pages and contiguous caches one per SM.
+    q1 = torch.zeros(1, 32, 1, 128, dtype=torch.bfloat16)
+    lens1 = torch.full((1,), 32768, dtype=torch.int32)
+    for page, splits in ((16, 33), (64, 16), (256, 16)):
+        pages = torch.zeros(32768 // page, page, 8, 128, dtype=torch.bfloat16)
+        table = torch.arange(32768 // page, dtype=torch.int32)[None]
+        plan = sparse_attn.explain(
+            sparse_attn.attention_with_kvcache, q1, pages, pages, lens1, block_table=table, target="sm90"
+        )
+        assert plan.launches[0].options["num_splits"] == splits, (page, str(plan))
     # 128 pairs give nearly every one of the 132 SMs a CTA: no split (64 pairs: split).
     for b in (16, 8):
         q16 = torch.zeros(b, 32, 1, 64, dtype=torch.bfloat16)

@@ -619,26 +619,31 @@ DecodePlan plan_decode(const DecodeParams& p, const DeviceInfo& dev, const PlanO
     keys = std::min<int64_t>(keys, int64_t(p.window_left) + p.lq);
   if (p.kv_indices != nullptr) keys = std::min<int64_t>(keys, int64_t(p.max_kv_blocks) * p.kv_block);
   plan.est_key_tiles = std::max<int64_t>((keys + kDecodeBlockN - 1) / kDecodeBlockN, 1);
-  // Split-KV: enough CTAs for one full wave, each with at least 4 key tiles (a CTA's start-up is
-  // worth about that much streaming), and the splits' fp32 partials (written, then read back by
+  // Split-KV: as many CTAs as divide the SMs evenly among the units, one per SM (it streams at the
+  // HBM rate; a second wave, or an uneven one, only adds partials and a longer tail: H100, one
+  // token, B = 1 (8 units) 16 splits 0.4-1.3 % faster than a full wave of 33, B = 12 at 8k (96
+  // units) unsplit 4.2 % faster than 2 splits, 17 or 24 splits 2-6 % slower than 16) -- two per SM
+  // where the reads scatter, pages shorter than a key tile or a block mask's blocks, whose latency
+  // a second CTA hides (pages of 1 and 16 tokens 3-5 % faster so, 64 equal, 256 1.5-2 % slower;
+  // 128-token mask blocks 0-10 % faster; docs/PERF_LOG.md); each split with at least 4 key tiles (a CTA's
+  // start-up is worth about that much streaming), and the splits' fp32 partials (written, then read back by
   // the combine from L2: 8 bytes per output element) no more bytes than the cache they summarise.
   const int64_t units = int64_t(p.b) * p.h_kv * plan.row_chunks;
-  const int64_t wave = int64_t(dev.sms) * plan.ctas_per_sm;
   const int64_t chunk_rows = std::min<int64_t>(rows, 16 * plan.row_tiles);
   const int64_t cache_bytes = plan.est_key_tiles * kDecodeBlockN * (p.d + p.dv) * 2;
-  // Where the units alone give (nearly) every SM a CTA, one CTA per SM already streams at full
-  // speed: splitting only adds the merge (H200, B = 16, 8k, Hkv = 8: 128 units, 127.5 us unsplit
-  // against 131.0 in 2 splits; docs/PERF_LOG.md).
-  int64_t splits =
-      10 * units >= 9 * int64_t(dev.sms) ? 1 : std::max<int64_t>(wave / std::max<int64_t>(units, 1), 1);
+  const bool scattered = p.kv_indices != nullptr || (p.block_table != nullptr && p.page_size < kDecodeBlockN);
+  const int64_t slots = int64_t(dev.sms) * (scattered ? plan.ctas_per_sm : 1);
+  int64_t splits = units >= dev.sms ? 1 : std::max<int64_t>(slots / std::max<int64_t>(units, 1), 1);
   splits = std::min<int64_t>({splits, plan.est_key_tiles / 4, cache_bytes / (chunk_rows * p.dv * 8), 64});
   if (options.decode_splits > 0) splits = std::min<int64_t>({options.decode_splits, plan.est_key_tiles, 128});
   plan.num_splits = int(std::max<int64_t>(splits, 1));
   plan.dependent_launch = dev.cc >= 90 && plan.num_splits > 1;
-  plan.why = plan.num_splits > 1 ? "split-KV: (batch, K/V head) pairs fill less than a wave, so each splits "
-                                   "its keys and a combine kernel merges the splits' LSEs"
-                                 : "one CTA per (batch, K/V head, row chunk): the pairs fill the GPU (or the "
-                                   "keys are few), no combine";
+  plan.why = plan.num_splits > 1
+                 ? "split-KV: (batch, K/V head) pairs leave SMs without a CTA, so each splits "
+                   "its keys (one CTA per SM, two where the reads scatter) and a combine kernel merges the "
+                   "splits' LSEs"
+                 : "one CTA per (batch, K/V head, row chunk): the pairs give every SM a CTA "
+                   "(or the keys are few), no combine";
   return plan;
 }
 
