@@ -77,6 +77,17 @@ def _flash_fwd(query, key, value, scale=None, causal=False, window_left=-1, wind
     return _outputs(query, value)
 
 
+@torch.library.register_fake("sparse_attn::_flash_fwd_out")
+def _flash_fwd_out(query, key, value, out, lse, scale=None, causal=False, window_left=-1, window_right=-1):
+    _check_qkv(query, key, value, out=out, lse=lse)
+    b, h, lq, _ = query.shape
+    _check(
+        tuple(out.shape) == (b, h, lq, value.shape[3]) and out.dtype == query.dtype,
+        f"out must be (B, H, Lq, Dv) of query's dtype, got {tuple(out.shape)} {out.dtype}",
+    )
+    _check(tuple(lse.shape) == (b, h, lq) and lse.dtype == torch.float32, "lse must be float32 (B, H, Lq)")
+
+
 @torch.library.register_fake("sparse_attn::block_sparse_fwd")
 def _block_sparse_fwd(
     query,

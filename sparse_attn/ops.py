@@ -655,8 +655,10 @@ def flash_attention_varlen(
     ``query`` (total_q, H, D), ``key`` (total_k, Hkv, D), ``value`` (total_k, Hkv, Dv): sequence b
     is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; ``cu_seqlens_q``/``cu_seqlens_k`` are int32
     (B + 1,) and ``max_seqlen_q``/``max_seqlen_k`` bound the lengths. Each sequence runs the op's
-    own kernel on views of the packed tensors (no padding, no copy of the inputs); ``causal`` and
-    ``window`` align per sequence (bottom-right). The lengths are read once on the host: one
+    own kernel on views of the packed tensors (no padding, no copy of the inputs), consecutive
+    sequences of equal lengths as one batched call; on CUDA in 16-bit, where no gradient is
+    tracked, the kernels write straight into the packed output. ``causal`` and ``window`` align
+    per sequence (bottom-right). The lengths are read once on the host: one
     synchronisation when ``cu_seqlens`` live on the GPU (pass CPU tensors to avoid it), and the
     call cannot be captured in a CUDA graph. Differentiable like ``flash_attention``.
 
@@ -671,12 +673,17 @@ def flash_attention_varlen(
     torch.Size([10, 4, 64])
     """
     bounds = _varlen.check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if _varlen.packed_flash(query, key, value):
+        left, right = _args.window_bounds(window)
+        out, lse = _varlen.run_flash_into(query, key, value, bounds, _args.scale(scale), bool(causal), left, right)
+        return _result(out, lse, None, return_lse)
     out, lse = _varlen.run(
         lambda q, k, v: flash_attention(q, k, v, causal=causal, window=window, scale=scale, return_lse=True),
         query,
         key,
         value,
         bounds,
+        batched=True,
     )
     return _result(out, lse, None, return_lse)
 

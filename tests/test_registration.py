@@ -84,6 +84,21 @@ def test_opcheck_with_grad_inputs(name):
         assert set(result.values()) == {"SUCCESS"}, result
 
 
+@pytest.mark.cuda
+def test_opcheck_flash_fwd_out():
+    # The in-place flash forward of varlen's packed output (CUDA only): schema (out and lse
+    # mutated), fake kernel, dispatch.
+    q, k, v = (t.cuda() for t in _qkv(torch.bfloat16))
+    out = torch.empty(q.shape[0], q.shape[2], q.shape[1], v.shape[3], device="cuda", dtype=q.dtype).transpose(1, 2)
+    lse = torch.empty(q.shape[:3], device="cuda")
+    for extra in ((None, False, -1, -1), (0.2, True, 8, -1)):
+        result = torch.library.opcheck(OPS._flash_fwd_out.default, (q, k, v, out, lse, *extra))
+        assert set(result.values()) == {"SUCCESS"}, result
+        OPS._flash_fwd_out(q, k, v, out, lse, *extra)  # (opcheck runs on copies)
+        ref, ref_lse = OPS.flash_fwd(q, k, v, *extra)
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
 def test_every_op_is_registered():
     for name in OP_NAMES:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"sparse_attn::{name}", "CPU"), name

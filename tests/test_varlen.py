@@ -45,6 +45,24 @@ def test_flash_varlen(device, causal, window, lens_q, lens_k):
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_flash_varlen_equal_lengths_batched(device, grad):
+    # Runs of consecutive sequences of equal lengths go through one batched call (24 x 48 here,
+    # broken by an empty query sequence and a longer one): bitwise the per-sequence results.
+    lens_q = [48] * 10 + [0] + [48] * 14 + [100]
+    lens_k = [48] * 10 + [7] + [48] * 14 + [120]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, device=device)
+    from sparse_attn import _varlen
+
+    bounds = _varlen.check(q, k, v, cu_q, cu_k, 100, 120)
+    assert [(n, lq, lk) for _, _, n, lq, lk in _varlen._runs(bounds)] == [(10, 48, 48), (14, 48, 48), (1, 100, 120)]
+    with torch.set_grad_enabled(grad):
+        v.requires_grad_(grad)
+        out, lse = sparse_attn.flash_attention_varlen(q, k, v, cu_q, cu_k, 100, 120, causal=True, return_lse=True)
+    ref, ref_lse = per_sequence(sparse_attn.flash_attention, q, k, v.detach(), cu_q, cu_k, causal=True)
+    assert torch.equal(out.detach(), ref) and torch.equal(lse, ref_lse)
+
+
 def test_flash_varlen_cpu_seqlens_and_empty_sequences(device):
     # Empty sequences (no query, or no key) and cu_seqlens on the CPU for GPU tensors.
     q, k, v, cu_q, cu_k = packed([5, 0, 7], [5, 3, 0], device=device)
@@ -64,6 +82,40 @@ def test_flash_varlen_gradients(device):
     refs = torch.autograd.grad(ref.square().sum(), (q2, k2, v2))
     for a, b in zip(grads, refs, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.cuda
+def test_flash_varlen_writes_in_place(monkeypatch):
+    # On CUDA in 16-bit, with no gradient to track, each sequence's kernel writes into the packed
+    # output (no concatenation): bitwise the per-sequence results; a call that tracks gradients
+    # keeps the per-sequence ops (their autograd) and their concatenation.
+    from sparse_attn import _varlen
+
+    q, k, v, cu_q, cu_k = packed([300, 0, 77, 129], [300, 5, 77, 200], h=8, hkv=2, d=128, device="cuda")
+    ref, ref_lse = per_sequence(sparse_attn.flash_attention, q, k, v, cu_q, cu_k, causal=True)
+    calls = []
+    into = _varlen.run_flash_into
+    monkeypatch.setattr(_varlen, "run_flash_into", lambda *a: calls.append(1) or into(*a))
+    out, lse = sparse_attn.flash_attention_varlen(q, k, v, cu_q, cu_k, 300, 300, causal=True, return_lse=True)
+    assert calls and torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    calls.clear()
+    out = sparse_attn.flash_attention_varlen(q, k, v.requires_grad_(), cu_q, cu_k, 300, 300, causal=True)
+    assert not calls and out.requires_grad and torch.equal(out.detach(), ref)
+
+
+@pytest.mark.cuda
+def test_flash_fwd_out_checks_its_outputs():
+    q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(1, 4, 64, device="cuda")
+    op = torch.ops.sparse_attn._flash_fwd_out.default
+    for bad in (torch.empty(1, 4, 64, 64, device="cuda"), torch.empty(1, 4, 63, 64, device="cuda", dtype=q.dtype)):
+        with pytest.raises(RuntimeError, match="out must"):
+            op(q, q, q, bad, lse)
+    with pytest.raises(RuntimeError, match="lse must"):
+        op(q, q, q, torch.empty_like(q), lse[..., :32])
+    misaligned = torch.empty(1, 4, 64, 65, device="cuda", dtype=q.dtype)[..., 1:]
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        op(q, q, q, misaligned, lse)
 
 
 def test_block_sparse_varlen(device):

@@ -111,6 +111,26 @@ std::tuple<at::Tensor, at::Tensor> alloc_outputs(const at::Tensor& query, const 
   return {out, lse};
 }
 
+void check_given_outputs(const at::Tensor& query, const QkvShape& s, const at::Tensor& out,
+                         const at::Tensor& lse) {
+  TORCH_CHECK(out.device() == query.device() && out.scalar_type() == query.scalar_type(),
+              "out must have query's dtype and device (", query.scalar_type(), ", ", query.device(),
+              "), got ", out.scalar_type(), ", ", out.device());
+  TORCH_CHECK(out.dim() == 4 && out.size(0) == s.b && out.size(1) == s.h && out.size(2) == s.lq &&
+                  out.size(3) == s.dv,
+              "out must be (B, H, Lq, Dv) = (", s.b, ", ", s.h, ", ", s.lq, ", ", s.dv, "), got ",
+              out.sizes());
+  const int64_t align = 16 / int64_t(out.element_size());
+  TORCH_CHECK(out.stride(3) == 1 && out.stride(0) % align == 0 && out.stride(1) % align == 0 &&
+                  out.stride(2) % align == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+              "out must have unit stride along Dv and 16-byte aligned base and strides, got strides ",
+              out.strides());
+  TORCH_CHECK(lse.device() == query.device() && lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
+                  lse.size(0) == s.b && lse.size(1) == s.h && lse.size(2) == s.lq && lse.is_contiguous(),
+              "lse must be a contiguous float32 (B, H, Lq) = (", s.b, ", ", s.h, ", ", s.lq,
+              ") tensor on query's device, got ", lse.scalar_type(), " ", lse.sizes());
+}
+
 bool fill_trivial_outputs(const QkvShape& s, at::Tensor& out, at::Tensor& lse) {
   if (s.b == 0 || s.h == 0 || s.lq == 0) return true;
   if (s.lk == 0) {

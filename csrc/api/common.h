@@ -50,6 +50,10 @@ void check_same_device(const at::Tensor& query, const at::Tensor& t, const char*
 
 // out (B, H, Lq, Dv) stored (B, Lq, H, Dv)-contiguous, and lse (B, H, Lq) fp32.
 std::tuple<at::Tensor, at::Tensor> alloc_outputs(const at::Tensor& query, const QkvShape& s);
+// Outputs a caller gives in alloc_outputs' place: out (B, H, Lq, Dv) of query's dtype and device,
+// unit stride along Dv and 16-byte aligned (base and strides); lse (B, H, Lq) fp32, contiguous.
+void check_given_outputs(const at::Tensor& query, const QkvShape& s, const at::Tensor& out,
+                         const at::Tensor& lse);
 
 // True when there is nothing to compute; out and lse are then already filled
 // (an empty key set gives 0 and -inf), so no kernel is launched.

@@ -95,19 +95,36 @@ void launch_flash(const AttnFwdParams& params, const FlashPlan& plan, const QkvS
   check_launch(err, what);
 }
 
+// The flash kernel into out and lse (flash_fwd's, or the caller's).
+void run_flash_window(const CudaInputs& in, at::Tensor& out, at::Tensor& lse, c10::optional<double> scale,
+                      bool causal, int64_t window_left, int64_t window_right) {
+  AttnFwdParams params = set_params_fwd(in.q, in.k, in.v, out, lse, in.s, resolve_scale(scale, in.s.d));
+  set_params_window(params, causal, window_left, window_right);
+  if (fill_trivial_outputs(in.s, out, lse)) return;
+  const FlashPlan plan =
+      plan_flash(params, Variant::kWindow, cuda_device_info(in.q.get_device()), plan_options());
+  launch_flash<Variant::kWindow>(params, plan, in.s, "flash_fwd");
+}
+
 std::tuple<at::Tensor, at::Tensor> flash_fwd_cuda(const at::Tensor& query, const at::Tensor& key,
                                                   const at::Tensor& value, c10::optional<double> scale,
                                                   bool causal, int64_t window_left, int64_t window_right) {
   CudaInputs in = prepare(query, key, value);
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse] = alloc_outputs(query, in.s);
-  AttnFwdParams params = set_params_fwd(in.q, in.k, in.v, out, lse, in.s, resolve_scale(scale, in.s.d));
-  set_params_window(params, causal, window_left, window_right);
-  if (fill_trivial_outputs(in.s, out, lse)) return {out, lse};
-  const FlashPlan plan =
-      plan_flash(params, Variant::kWindow, cuda_device_info(query.get_device()), plan_options());
-  launch_flash<Variant::kWindow>(params, plan, in.s, "flash_fwd");
+  run_flash_window(in, out, lse, scale, causal, window_left, window_right);
   return {out, lse};
+}
+
+// flash_fwd into the caller's out (a view of a larger tensor: varlen's packed output, so that no
+// sequence's result is copied) and lse.
+void flash_fwd_out_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                        at::Tensor& out, at::Tensor& lse, c10::optional<double> scale, bool causal,
+                        int64_t window_left, int64_t window_right) {
+  CudaInputs in = prepare(query, key, value);
+  check_given_outputs(query, in.s, out, lse);
+  const c10::cuda::CUDAGuard guard(query.device());
+  run_flash_window(in, out, lse, scale, causal, window_left, window_right);
 }
 
 std::tuple<at::Tensor, at::Tensor> block_sparse_fwd_cuda(
@@ -574,6 +591,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
   m.impl("_selection_mask", &selection_mask_cuda);
   m.impl("indexer_select", &indexer_select_cuda);
   m.impl("flash_fwd", &flash_fwd_cuda);
+  m.impl("_flash_fwd_out", &flash_fwd_out_cuda);
   m.impl("block_sparse_fwd", &block_sparse_fwd_cuda);
   m.impl("_merge_partial_", &merge_partial_cuda);
 }
