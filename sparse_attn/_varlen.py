@@ -1,6 +1,7 @@
 """Variable-length (packed) batches: checks of the packed layout and ``cu_seqlens``, and the run of
-an op once per sequence on views of the packed tensors (no copy of the inputs; the outputs are
-concatenated into the packed layout)."""
+an op once per sequence (flash: once per run of equal-length sequences) on views of the packed
+tensors (no copy of the inputs; the outputs concatenated into the packed layout, or, for flash on
+CUDA without gradients, written there by the kernels)."""
 
 from __future__ import annotations
 
@@ -105,10 +106,10 @@ def packed_flash(query, key, value) -> bool:
 
 
 def run_flash_into(query, key, value, bounds, scale, causal: bool, left: int, right: int):
-    """flash_fwd on each run of equal-length sequences (one batched call), its output written in place into the packed
-    (total_q, H, Dv) result (the private op sparse_attn::_flash_fwd_out), so no sequence's output
-    is copied (run's concatenation: 2-3 % of a prefill); the LSEs (4 bytes per row and head) are
-    concatenated as run's."""
+    """flash_fwd on each run of equal-length sequences (one batched call), its output written in
+    place into the packed (total_q, H, Dv) result (the private op sparse_attn::_flash_fwd_out), so
+    no sequence's output is copied (run's concatenation: 2-3 % of a prefill); the LSEs (4 bytes
+    per row and head) are concatenated as run's."""
     h, dv = query.shape[1], value.shape[2]
     out = query.new_empty(query.shape[0], h, dv)
     lses = []

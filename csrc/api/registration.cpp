@@ -149,9 +149,8 @@ TORCH_LIBRARY(sparse_attn, m) {
       "Tensor kv_partial, Tensor partial_masks, int q_block, int kv_block, float? scale=None, "
       "Tensor? q_block_order=None) -> (Tensor out, Tensor lse)");
   m.def(
-      "_flash_fwd_out(Tensor query, Tensor key, Tensor value, Tensor(a!) out, Tensor(b!) lse, float? "
-      "scale=None, "
-      "bool causal=False, int window_left=-1, int window_right=-1) -> ()");
+      "_flash_fwd_out(Tensor query, Tensor key, Tensor value, Tensor(a!) out, Tensor(b!) lse, "
+      "float? scale=None, bool causal=False, int window_left=-1, int window_right=-1) -> ()");
   m.def(
       "gather_fwd(Tensor query, Tensor key, Tensor value, Tensor indices, float? scale=None) "
       "-> (Tensor out, Tensor lse)");

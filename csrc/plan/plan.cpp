@@ -619,15 +619,16 @@ DecodePlan plan_decode(const DecodeParams& p, const DeviceInfo& dev, const PlanO
     keys = std::min<int64_t>(keys, int64_t(p.window_left) + p.lq);
   if (p.kv_indices != nullptr) keys = std::min<int64_t>(keys, int64_t(p.max_kv_blocks) * p.kv_block);
   plan.est_key_tiles = std::max<int64_t>((keys + kDecodeBlockN - 1) / kDecodeBlockN, 1);
-  // Split-KV: as many CTAs as divide the SMs evenly among the units, one per SM (it streams at the
-  // HBM rate; a second wave, or an uneven one, only adds partials and a longer tail: H100, one
-  // token, B = 1 (8 units) 16 splits 0.4-1.3 % faster than a full wave of 33, B = 12 at 8k (96
-  // units) unsplit 4.2 % faster than 2 splits, 17 or 24 splits 2-6 % slower than 16) -- two per SM
-  // where the reads scatter, pages shorter than a key tile or a block mask's blocks, whose latency
-  // a second CTA hides (pages of 1 and 16 tokens 3-5 % faster so, 64 equal, 256 1.5-2 % slower;
-  // 128-token mask blocks 0-10 % faster; docs/PERF_LOG.md); each split with at least 4 key tiles (a CTA's
-  // start-up is worth about that much streaming), and the splits' fp32 partials (written, then read back by
-  // the combine from L2: 8 bytes per output element) no more bytes than the cache they summarise.
+  // Split-KV: as many CTAs as divide the SMs evenly among the units, one per SM (it streams at
+  // the HBM rate; a second wave, or an uneven one, only adds partials and a longer tail: H100,
+  // one token, B = 1 (8 units) 16 splits 0.4-1.3 % faster than a full wave of 33, B = 12 at 8k
+  // (96 units) unsplit 4.2 % faster than 2 splits, 17 or 24 splits 2-6 % slower than 16) -- two
+  // per SM where the reads scatter, pages shorter than a key tile or a block mask's blocks, whose
+  // latency a second CTA hides (pages of 1 and 16 tokens 3-5 % faster so, 64 equal, 256 1.5-2 %
+  // slower; 128-token mask blocks 0-10 % faster; docs/PERF_LOG.md); each split with at least 4
+  // key tiles (a CTA's start-up is worth about that much streaming), and the splits' fp32
+  // partials (written, then read back by the combine from L2: 8 bytes per output element) no
+  // more bytes than the cache they summarise.
   const int64_t units = int64_t(p.b) * p.h_kv * plan.row_chunks;
   const int64_t chunk_rows = std::min<int64_t>(rows, 16 * plan.row_tiles);
   const int64_t cache_bytes = plan.est_key_tiles * kDecodeBlockN * (p.d + p.dv) * 2;
