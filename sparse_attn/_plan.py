@@ -346,6 +346,38 @@ def _explain_flash(a, tgt) -> Plan:
     return Plan("flash_attention", "flash", why, (_flash_launch(q, k, v, causal, left, right, tgt),))
 
 
+def _explain_flash_varlen(a, tgt) -> Plan:
+    from . import _varlen
+
+    q, k, v = a["query"], a["key"], a["value"]
+    bounds = _varlen.check(q, k, v, a["cu_seqlens_q"], a["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"])
+    left, right = _args.window_bounds(a["window"])
+    causal = bool(a["causal"])
+    runs = _varlen._runs(bounds)
+    launches = tuple(
+        _flash_launch(
+            *(_varlen._batch(t, lo, n, length) for t, lo, length in ((q, q0, lq), (k, k0, lk), (v, k0, lk))),
+            causal,
+            left,
+            right,
+            tgt,
+            role=f"{n} x {lq} queries, {lk} keys",
+        )
+        for q0, k0, n, lq, lk in runs
+    )
+    in_place = _varlen.packed_flash(q, k, v, cuda=q.is_cuda or tgt[0] > 0)
+    why = (
+        f"{len(bounds)} sequences in {len(runs)} flash_attention calls on views of the packed tensors (consecutive "
+        "sequences of equal lengths batched); "
+        + (
+            "the kernels write into the packed output (CUDA, 16-bit, no gradient tracked)"
+            if in_place
+            else "the calls' outputs concatenated"
+        )
+    )
+    return Plan("flash_attention_varlen", "varlen_flash", why, launches)
+
+
 def _explain_block_sparse(a, tgt) -> Plan:
     q, k, v, mask = a["query"], a["key"], a["value"], a["mask"]
     _args.check_4d(query=q, key=k, value=v)
@@ -487,6 +519,7 @@ _CONTEXT_PARALLEL = (
 _EXPLAIN = {
     "dense_attention": _explain_dense,
     "flash_attention": _explain_flash,
+    "flash_attention_varlen": _explain_flash_varlen,
     "block_sparse_attention": _explain_block_sparse,
     "topk_attention": _explain_topk,
     "attention_with_kvcache": _explain_kvcache,

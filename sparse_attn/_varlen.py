@@ -94,11 +94,12 @@ def run(fn: Callable, query, key, value, bounds, batched: bool = False) -> tuple
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 
-def packed_flash(query, key, value) -> bool:
+def packed_flash(query, key, value, cuda: bool | None = None) -> bool:
     """Whether flash_attention_varlen can write each sequence's result straight into the packed
-    output (run_flash_into): eager CUDA calls in 16-bit that need no gradient."""
+    output (run_flash_into): eager CUDA calls in 16-bit that need no gradient (``cuda``: whether
+    the call runs on a GPU, default the query's device; explain's targets say so)."""
     return (
-        query.is_cuda
+        (query.is_cuda if cuda is None else cuda)
         and query.dtype in (torch.bfloat16, torch.float16)
         and not torch.compiler.is_compiling()
         and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))

@@ -63,6 +63,26 @@ def test_flash_varlen_equal_lengths_batched(device, grad):
     assert torch.equal(out.detach(), ref) and torch.equal(lse, ref_lse)
 
 
+def test_explain_flash_varlen():
+    # One flash launch per run of equal-length sequences; on a GPU target in 16-bit the kernels
+    # write into the packed output, in fp32 (or with gradients) the outputs are concatenated.
+    q, k, v, cu_q, cu_k = packed([48, 48, 0, 100], [48, 48, 7, 120])
+    plan = sparse_attn.explain(sparse_attn.flash_attention_varlen, q, k, v, cu_q, cu_k, 100, 120, causal=True)
+    assert plan.route == "varlen_flash" and [launch.role for launch in plan.launches] == [
+        "2 x 48 queries, 48 keys",
+        "1 x 100 queries, 120 keys",
+    ], str(plan)
+    assert "concatenated" in plan.why and plan.launches[0].core == "cpu" and "flash_bwd" in plan.backward
+    plan = sparse_attn.explain(
+        sparse_attn.flash_attention_varlen, q, k, v, cu_q, cu_k, 100, 120, causal=True, target="sm90"
+    )
+    assert "write into the packed output" in plan.why and plan.launches[0].core == "hopper", str(plan)
+    plan = sparse_attn.explain(
+        "flash_attention_varlen", q.float(), k.float(), v.float(), cu_q, cu_k, 100, 120, target="sm90"
+    )
+    assert "concatenated" in plan.why, str(plan)
+
+
 def test_flash_varlen_cpu_seqlens_and_empty_sequences(device):
     # Empty sequences (no query, or no key) and cu_seqlens on the CPU for GPU tensors.
     q, k, v, cu_q, cu_k = packed([5, 0, 7], [5, 3, 0], device=device)
