@@ -353,21 +353,13 @@ def _explain_flash_varlen(a, tgt) -> Plan:
     bounds = _varlen.check(q, k, v, a["cu_seqlens_q"], a["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"])
     left, right = _args.window_bounds(a["window"])
     causal = bool(a["causal"])
-    runs = _varlen._runs(bounds)
     launches = tuple(
-        _flash_launch(
-            *(_varlen._batch(t, lo, n, length) for t, lo, length in ((q, q0, lq), (k, k0, lk), (v, k0, lk))),
-            causal,
-            left,
-            right,
-            tgt,
-            role=f"{n} x {lq} queries, {lk} keys",
-        )
-        for q0, k0, n, lq, lk in runs
+        _flash_launch(qv, kv, vv, causal, left, right, tgt, role=f"{n} x {lq} queries, {lk} keys")
+        for _, n, lq, lk, qv, kv, vv in _varlen.calls(q, k, v, bounds, True)
     )
     in_place = _varlen.packed_flash(q, k, v, cuda=q.is_cuda or tgt[0] > 0)
     why = (
-        f"{len(bounds)} sequences in {len(runs)} flash_attention calls on views of the packed tensors (consecutive "
+        f"{len(bounds)} sequences in {len(launches)} flash_attention calls on views of the packed tensors (consecutive "
         "sequences of equal lengths batched); "
         + (
             "the kernels write into the packed output (CUDA, 16-bit, no gradient tracked)"

@@ -76,22 +76,31 @@ def _batch(x: torch.Tensor, lo: int, n: int, length: int) -> torch.Tensor:
     return x[lo : lo + n * length].unflatten(0, (n, length)).transpose(1, 2)
 
 
+def calls(query, key, value, bounds, batched: bool):
+    """(q0, n, lq, lk, q, k, v) per call: each sequence's (1, H, L, D) views, or (batched) each run
+    of equal-length sequences as one (n, H, L, D) batch."""
+    runs = _runs(bounds) if batched else [(q0, k0, 1, q1 - q0, k1 - k0) for q0, q1, k0, k1 in bounds if q1 > q0]
+    for q0, k0, n, lq, lk in runs:
+        yield q0, n, lq, lk, _batch(query, q0, n, lq), _batch(key, k0, n, lk), _batch(value, k0, n, lk)
+
+
+def _packed_lse(lses: list[torch.Tensor], h: int, device) -> torch.Tensor:
+    """The calls' LSEs, each (n, H, L), as one (H, total_q)."""
+    rows = [lse.transpose(0, 1).reshape(h, -1) for lse in lses]
+    return torch.cat(rows, dim=1) if rows else torch.zeros(h, 0, dtype=torch.float32, device=device)
+
+
 def run(fn: Callable, query, key, value, bounds, batched: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """fn(q, k, v) -> (out, lse) on each sequence's (1, H, L, D) views (batched: on each run of
-    equal-length sequences as one (n, H, L, D) batch); the results packed as (total_q, H, Dv) and
-    (H, total_q)."""
+    """fn(q, k, v) -> (out, lse) on each call's views (``calls``); the results packed as
+    (total_q, H, Dv) and (H, total_q)."""
     outs, lses = [], []
     h, dv = query.shape[1], value.shape[2]
-    for q0, k0, n, lq, lk in (
-        _runs(bounds) if batched else ((q0, k0, 1, q1 - q0, k1 - k0) for q0, q1, k0, k1 in bounds if q1 > q0)
-    ):
-        o, lse = fn(_batch(query, q0, n, lq), _batch(key, k0, n, lk), _batch(value, k0, n, lk))
+    for _, n, lq, _, q, k, v in calls(query, key, value, bounds, batched):
+        o, lse = fn(q, k, v)
         outs.append(o.transpose(1, 2).reshape(n * lq, h, dv))
-        lses.append(lse.transpose(0, 1).reshape(h, n * lq))
-    if not outs:
-        empty_out = query.new_zeros(0, h, dv)
-        return empty_out, torch.zeros(h, 0, dtype=torch.float32, device=query.device)
-    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+        lses.append(lse)
+    out = torch.cat(outs, dim=0) if outs else query.new_zeros(0, h, dv)
+    return out, _packed_lse(lses, h, query.device)
 
 
 def packed_flash(query, key, value, cuda: bool | None = None) -> bool:
@@ -115,20 +124,9 @@ def run_flash_into(query, key, value, bounds, scale, causal: bool, left: int, ri
     out = query.new_empty(query.shape[0], h, dv)
     lses = []
     with torch._C._AutoDispatchBelowAutograd():
-        for q0, k0, n, lq, lk in _runs(bounds):
-            lse = torch.empty(n, h, lq, dtype=torch.float32, device=query.device)
+        for q0, n, lq, _, q, k, v in calls(query, key, value, bounds, True):
+            lses.append(torch.empty(n, h, lq, dtype=torch.float32, device=query.device))
             torch.ops.sparse_attn._flash_fwd_out.default(
-                _batch(query, q0, n, lq),
-                _batch(key, k0, n, lk),
-                _batch(value, k0, n, lk),
-                _batch(out, q0, n, lq),
-                lse,
-                scale,
-                causal,
-                left,
-                right,
+                q, k, v, _batch(out, q0, n, lq), lses[-1], scale, causal, left, right
             )
-            lses.append(lse.transpose(0, 1).reshape(h, n * lq))
-    if not lses:
-        return out, torch.zeros(h, 0, dtype=torch.float32, device=query.device)
-    return out, torch.cat(lses, dim=1)
+    return out, _packed_lse(lses, h, query.device)
