@@ -329,6 +329,11 @@ torch.library.register_autograd("sparse_attn::gather_fwd", _gather_backward, set
 torch.library.register_autograd("sparse_attn::dense_fwd", _dense_backward, setup_context=_setup_context)
 
 
+def tracks_grad(query, key, value) -> bool:
+    """Whether a call on these inputs may need a gradient (grad mode on and one of them requires it)."""
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+
+
 def forward(op, query, key, value, *rest):
     """``op(query, key, value, *rest)`` for the forward ops above, whose gradients (for query, key
     and value only) register_autograd defines.
@@ -338,7 +343,7 @@ def forward(op, query, key, value, *rest):
     call where no gradient can be needed (grad mode off, or none of query, key, value requiring
     grad) dispatches below autograd directly, as that wrapper itself would; traced calls
     (torch.compile, torch.export) keep the registered path."""
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    if tracks_grad(query, key, value):
         return op(query, key, value, *rest)
     if torch.compiler.is_compiling():
         return op(query, key, value, *rest)

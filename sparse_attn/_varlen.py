@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import _meta
+
 
 def check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int):
     """The sequences' (q0, q1, k0, k1) bounds, read from ``cu_seqlens`` on the host (one
@@ -111,7 +113,7 @@ def packed_flash(query, key, value, cuda: bool | None = None) -> bool:
         (query.is_cuda if cuda is None else cuda)
         and query.dtype in (torch.bfloat16, torch.float16)
         and not torch.compiler.is_compiling()
-        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+        and not _meta.tracks_grad(query, key, value)
     )
 
 
