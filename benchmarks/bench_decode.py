@@ -10,9 +10,10 @@ way) plus the cache's bytes at the copy bandwidth: at small caches the launch do
 the cache's size is no bound there: below ~100 MB its written half stays in the 50 MB L2, and
 torch.amax, a read-only reduction, took 1.6x the copy's time at 16.8 MB.)
 SDPA runs with enable_gqa (no K/V expansion); with several new tokens it runs without a causal
-mask (its causal mask is top-left aligned), which reads the same bytes.
+mask (its causal mask is top-left aligned), which reads the same bytes. The varlen_routes table
+times eagerly too (its document route is not captured in a graph): see its docstring.
 
-    python benchmarks/bench_decode.py                   # the decode, paged, sparse, top-k and varlen tables
+    python benchmarks/bench_decode.py                   # every table (decode ... varlen_routes)
     python benchmarks/bench_decode.py --quick           # a few shapes
     python benchmarks/bench_decode.py --json out.json   # also write the rows
 """
@@ -23,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 
@@ -354,10 +356,109 @@ def varlen_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
     return out
 
 
+def time_eager(fn, reps: int = 10) -> float:
+    """Median milliseconds of fn() run eagerly (host work included: CUDA events around each call,
+    the GPU idle before it)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def uniform_lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
+    return torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def varlen_routes_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
+    """flash_attention_varlen's two routes on one packed causal batch: one flash call per run of
+    equal lengths, or one block-sparse call over the document mask. Eager forward (host work
+    included), the attention alone as a graph (the mask built beforehand; the document route
+    itself is not captured), the mask's build on the host, and a training step (forward and
+    backward, eager); "auto" is the route the op takes outside a graph capture."""
+    from sparse_attn import _varlen
+
+    out = [
+        "varlen routes (causal; per-run flash calls vs one block-sparse call over the document mask); ms",
+        f"{'batch':<20} {'tokens':>6} {'mean':>5} {'fwd runs':>8} {'fwd docs':>8} {'runs/docs':>9} "
+        f"{'graph runs':>10} {'graph docs':>10} {'build':>6} {'train runs':>10} {'train docs':>10} "
+        f"{'runs/docs':>9} {'auto':>4}",
+    ]
+    route = _varlen.document_route
+    for name, lens in args.varlen_route_batches:
+        total = sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(total, H, D, device="cuda", dtype=DT, generator=g)
+        k = torch.randn(total, HKV, D, device="cuda", dtype=DT, generator=g)
+        v = torch.randn_like(k)
+        top = max(lens)
+        bounds = _varlen.check(q, k, v, cu, cu, top, top)
+        auto = route(q, k, v, bounds)
+        mean = total // len(_varlen._runs(bounds))
+        qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        grad = torch.randn_like(q)
+
+        def fwd(q=q, k=k, v=v, cu=cu, top=top):
+            return sparse_attn.flash_attention_varlen(q, k, v, cu, cu, top, top, causal=True)
+
+        def step(q=qg, k=kg, v=vg, cu=cu, top=top, grad=grad):
+            sparse_attn.flash_attention_varlen(q, k, v, cu, cu, top, top, causal=True).backward(grad)
+
+        times = {}
+        try:
+            for docs in (False, True):
+                _varlen.document_route = lambda *a, docs=docs, **kw: docs
+                times[docs] = (time_eager(fwd), time_eager(step, 5))
+        finally:
+            _varlen.document_route = route
+        t_graph_runs = time_graph(fwd)  # captured: the per-run route
+        mask = _varlen.document_mask(bounds, total, total, -1, 0, q.device)
+        q4, k4, v4 = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
+        t_graph_docs = time_graph(lambda q4=q4, k4=k4, v4=v4, m=mask: sparse_attn.block_sparse_attention(q4, k4, v4, m))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            _varlen.document_mask(bounds, total, total, -1, 0, q.device)
+        t_build = (time.perf_counter() - t0) / 20 * 1e3
+        (f_r, t_r), (f_d, t_d) = times[False], times[True]
+        rows.append(
+            dict(
+                table="varlen_routes",
+                batch=name,
+                tokens=total,
+                mean_run=mean,
+                fwd_runs=f_r,
+                fwd_docs=f_d,
+                graph_runs=t_graph_runs,
+                graph_docs=t_graph_docs,
+                build_host=t_build,
+                train_runs=t_r,
+                train_docs=t_d,
+                auto="documents" if auto else "runs",
+            )
+        )
+        out.append(
+            f"{name:<20} {total:>6} {mean:>5} {f_r:>8.3f} {f_d:>8.3f} {f_r / f_d:>9.2f} {t_graph_runs:>10.3f} "
+            f"{t_graph_docs:>10.3f} {t_build:>6.3f} {t_r:>10.2f} {t_d:>10.2f} {t_r / t_d:>9.2f} "
+            f"{'docs' if auto else 'runs':>4}"
+        )
+        del q, k, v, qg, kg, vg, q4, k4, v4, mask
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--tables", nargs="+", default=["decode", "paged", "sparse", "topk", "varlen"])
+    parser.add_argument("--tables", nargs="+", default=["decode", "paged", "sparse", "topk", "varlen", "varlen_routes"])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--splits", type=int, nargs="+", help="also time these split-KV counts (decode table)")
     args = parser.parse_args(argv)
@@ -368,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         args.paged_shapes, args.pages = [(8, 32768)], [16, 256]
         args.sparse_shapes, args.keep = [(1, 131072)], [0.1]
         args.varlen_batches = [[1024, 4096, 16384, 32768]]
+        args.varlen_route_batches = [("128 x U[64,1024]", uniform_lengths(128, 64, 1024, 1))]
         args.topk_blocks = [51]
     else:
         args.shapes = [
@@ -385,6 +487,17 @@ def main(argv: list[str] | None = None) -> int:
             [1024, 2048, 3072, 8192, 8192, 12288, 32768, 1024],
             [1000, 1500, 7000, 9000, 20000, 31000],
         ]
+        args.varlen_route_batches = [
+            ("1k,4k,16k,32k", [1024, 4096, 16384, 32768]),
+            ("1000..31000", [1000, 1500, 7000, 9000, 20000, 31000]),
+            ("256 x U[16,512]", uniform_lengths(256, 16, 512, 4)),
+            ("128 x U[64,1024]", uniform_lengths(128, 64, 1024, 1)),
+            ("64 x U[512,1536]", uniform_lengths(64, 512, 1536, 6)),
+            ("48 x U[768,2304]", uniform_lengths(48, 768, 2304, 7)),
+            ("32 x U[1024,3072]", uniform_lengths(32, 1024, 3072, 8)),
+            ("16 x U[1k,8k]", uniform_lengths(16, 1024, 8192, 3)),
+            ("8 x U[4k,12k]", uniform_lengths(8, 4096, 12288, 9)),
+        ]
     copy_bw = copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.2f} TB/s (1 GiB, read + write)")
     rows: list[dict] = []
@@ -394,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         "sparse": sparse_table,
         "topk": topk_table,
         "varlen": varlen_table,
+        "varlen_routes": varlen_routes_table,
     }
     for name in args.tables:
         print("\n".join(tables[name](args, copy_bw, rows)), flush=True)

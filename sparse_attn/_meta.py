@@ -189,6 +189,24 @@ def _selection_mask(indices, key_length, heads, q_block, kv_block, causal, row_o
     )
 
 
+@torch.library.register_fake("sparse_attn::_document_mask")
+def _document_mask(
+    cu_seqlens_q, cu_seqlens_k, partial_offsets, num_partial, total_q, total_k, q_block, kv_block, left, right, max_kb
+):
+    _check(cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32, "cu_seqlens_q and cu_seqlens_k must be int32")
+    _check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape == cu_seqlens_k.shape, "cu_seqlens must be (B + 1,)")
+    _check(q_block in (64, 128) and kv_block in (64, 128), "q_block and kv_block must be 64 or 128")
+    nqb = -(-total_q // q_block)
+    _check(partial_offsets.dtype == torch.int64 and partial_offsets.shape == (nqb + 1,), "partial_offsets (nQb + 1,)")
+    i32 = dict(dtype=torch.int32)
+    return (
+        cu_seqlens_q.new_empty(1, 1, nqb, **i32),
+        cu_seqlens_q.new_empty(1, 1, nqb, max_kb, **i32),
+        cu_seqlens_q.new_empty(1, 1, nqb, max_kb, **i32),
+        cu_seqlens_q.new_empty(num_partial, q_block, kv_block // 32, **i32),
+    )
+
+
 @torch.library.register_fake("sparse_attn::_check_inputs")
 def _check_inputs(query, key, value):
     return None

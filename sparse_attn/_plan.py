@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import _args
+from . import _args, _meta
 from .masks import BlockSparseMask
 
 __all__ = ["Launch", "Plan", "Route", "explain", "overrides"]
@@ -353,6 +353,21 @@ def _explain_flash_varlen(a, tgt) -> Plan:
     bounds = _varlen.check(q, k, v, a["cu_seqlens_q"], a["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"])
     left, right = _args.window_bounds(a["window"])
     causal = bool(a["causal"])
+    if _varlen.document_route(q, k, v, bounds, cuda=q.is_cuda or tgt[0] > 0):
+        runs = len(_varlen._runs(bounds))
+        grad = _meta.tracks_grad(q, k, v)
+        tokens = _varlen.DOCUMENT_ROUTE_TOKENS_GRAD if grad else _varlen.DOCUMENT_ROUTE_TOKENS
+        reason = f"the runs average fewer than {tokens} query tokens" + (
+            " (a gradient may be needed: one backward launch instead of one per run)" if grad else ""
+        )
+        why = (
+            f"{len(bounds)} sequences ({runs} runs of equal lengths) as one block-sparse call over the packed tensors "
+            f"with their document mask, built on the device: {reason}"
+        )
+        q4, k4, v4 = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
+        return Plan(
+            "flash_attention_varlen", "varlen_documents", why, (_block_sparse_launch(q4, k4, v4, 128, 128, tgt),)
+        )
     launches = tuple(
         _flash_launch(qv, kv, vv, causal, left, right, tgt, role=f"{n} x {lq} queries, {lk} keys")
         for _, n, lq, lk, qv, kv, vv in _varlen.calls(q, k, v, bounds, True)

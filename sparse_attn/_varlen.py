@@ -1,15 +1,26 @@
 """Variable-length (packed) batches: checks of the packed layout and ``cu_seqlens``, and the run of
 an op once per sequence (flash: once per run of equal-length sequences) on views of the packed
 tensors (no copy of the inputs; the outputs concatenated into the packed layout, or, for flash on
-CUDA without gradients, written there by the kernels)."""
+CUDA without gradients, written there by the kernels); or, for flash over many sequences, one
+block-sparse call over the whole packed batch with the sequences' document mask
+(``document_mask``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from . import _meta
+from .masks import BlockSparseMask, cta_schedule
+
+# flash_attention_varlen's document route (one block-sparse call) takes a batch of two runs of
+# equal-length sequences or more whose runs average fewer query tokens than these: without and
+# with a gradient to track (each run's backward is then a call of its own, and the per-run
+# route's launches cost more). docs/PERF_LOG.md, "varlen in one launch".
+DOCUMENT_ROUTE_TOKENS = 1536
+DOCUMENT_ROUTE_TOKENS_GRAD = 8192
 
 
 def check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int):
@@ -132,3 +143,99 @@ def run_flash_into(query, key, value, bounds, scale, causal: bool, left: int, ri
                 q, k, v, _batch(out, q0, n, lq), lses[-1], scale, causal, left, right
             )
     return out, _packed_lse(lses, h, query.device)
+
+
+def document_route(query, key, value, bounds, cuda: bool | None = None) -> bool:
+    """Whether flash_attention_varlen runs the batch as one block-sparse call over its document
+    mask rather than one flash call per run of equal-length sequences: on a GPU (not while a CUDA
+    graph is captured: the mask's offsets are copied from the host), for two runs or more that
+    are short, where each call's start-up, tail and host work cost more than the mask's partial
+    blocks (DOCUMENT_ROUTE_TOKENS, more with a gradient to track)."""
+    if not (query.is_cuda if cuda is None else cuda):
+        return False
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    runs = _runs(bounds)
+    if len(runs) < 2:
+        return False
+    per_run = DOCUMENT_ROUTE_TOKENS_GRAD if _meta.tracks_grad(query, key, value) else DOCUMENT_ROUTE_TOKENS
+    return query.shape[0] < per_run * len(runs)
+
+
+def document_mask_bounds(bounds, total_q: int, total_k: int, left: int, right: int, block=(128, 128)):
+    """(max_kb, partial_offsets (nQb + 1,) int64, weights (nQb,)) of ``_document_mask`` for these
+    sequences, from the host's bounds in O(B + nQb): per query block, its key-block range from its
+    first row's lowest and last row's highest visible key (both ends are non-decreasing in the row,
+    csrc/include/sparse_attn/document_mask.h), and the partial rows it may need: the whole range
+    where it spans sequences (or has rows that see nothing), else at most the blocks its rows'
+    band edges cross, 2 * ((q_block - 1) // kv_block + 2)."""
+    qb_size, kvb = block
+    nqb, nkb = -(-total_q // qb_size), -(-total_k // kvb)
+    if nqb == 0 or nkb == 0:
+        return 0, np.zeros(nqb + 1, dtype=np.int64), np.zeros(nqb, dtype=np.int64)
+    cq = np.array([b[0] for b in bounds] + [total_q], dtype=np.int64)
+    ck = np.array([b[2] for b in bounds] + [total_k], dtype=np.int64)
+    r0 = np.arange(nqb, dtype=np.int64) * qb_size
+    r1 = np.minimum(r0 + qb_size, total_q) - 1
+    d0 = np.searchsorted(cq, r0, side="right") - 1
+    d1 = np.searchsorted(cq, r1, side="right") - 1
+
+    def seq(d, r):
+        q0, k0 = cq[d], ck[d]
+        lq, lk = cq[d + 1] - q0, ck[d + 1] - k0
+        return k0, lq, lk, r - q0 + lk - lq  # the row's diagonal key, local
+
+    k0, _, _, pos = seq(d0, r0)
+    lo = k0 + (np.maximum(pos - left, 0) if left >= 0 else 0)
+    k1, lq1, lk1, pos1 = seq(d1, r1)
+    hi = k1 + (np.minimum(lk1 - 1, pos1 + right) if right >= 0 else lk1 - 1)
+    hi = np.maximum(hi, k1 - 1)  # rows of earlier sequences end before this one's keys
+    first = np.clip(lo, 0, total_k - 1) // kvb
+    last = np.clip(hi, 0, total_k - 1) // kvb
+    span = np.maximum(last - first + 1, 0)
+    single = (d0 == d1) & (lk1 >= lq1) & (lk1 > 0)  # one sequence whose every row sees a key
+    partial = np.where(single, np.minimum(span, 2 * ((qb_size - 1) // kvb + 2)), span)
+    offsets = np.concatenate([[0], np.cumsum(partial)]).astype(np.int64)
+    return int(min(max(span.max(), 1), nkb)), offsets, span
+
+
+def document_mask(bounds, total_q: int, total_k: int, left: int, right: int, device, block=(128, 128)):
+    """The packed sequences' block-sparse mask: row i of sequence b sees the keys of sequence b in
+    its band (window (left, right) per sequence, bottom-right aligned; -1 unbounded, causal is
+    (-1, 0)), built on ``device`` by ``sparse_attn::_document_mask`` from one host-to-device copy
+    of the offsets, the partial-row bounds and the CTA schedule (from pinned memory: the host does
+    not wait for the GPU)."""
+    max_kb, offsets, weights = document_mask_bounds(bounds, total_q, total_k, left, right, block)
+    n = len(bounds)
+    order = cta_schedule(weights) if weights.size else np.zeros(1, dtype=np.int32)
+    head = np.concatenate([[b[0] for b in bounds], [total_q], [b[2] for b in bounds], [total_k], order]).astype(
+        np.int32
+    )
+    head = np.concatenate([head, np.zeros(len(head) % 2, dtype=np.int32)])  # offsets 8-byte aligned
+    buf = torch.from_numpy(np.concatenate([head, offsets.view(np.int32)]))
+    if torch.device(device).type == "cuda":  # staged in pinned memory: the copy does not wait for the GPU
+        buf = buf.pin_memory().to(device, non_blocking=True)
+    cu_q, cu_k = buf[: n + 1], buf[n + 1 : 2 * n + 2]
+    kernel_order = buf[2 * n + 2 : 2 * n + 2 + order.size]
+    part_offsets = buf[len(head) :].view(torch.int64)
+    num, idx, part, words = torch.ops.sparse_attn._document_mask.default(
+        cu_q, cu_k, part_offsets, int(offsets[-1]), total_q, total_k, block[0], block[1], left, right, max_kb
+    )
+    mask = BlockSparseMask(num, idx, part, words, seq_lengths=(total_q, total_k), block_size=block, validate=False)
+    if weights.size:
+        mask._order = kernel_order
+    return mask
+
+
+def run_documents(query, key, value, bounds, scale, causal: bool, left: int, right: int):
+    """The packed batch as one block_sparse_attention call over its document mask: the packed
+    (total, H, D) tensors viewed as one (1, H, total, D) sequence; returns (total_q, H, Dv) and
+    (H, total_q)."""
+    from .ops import block_sparse_attention
+
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    mask = document_mask(bounds, query.shape[0], key.shape[0], left, right, query.device)
+    q, k, v = (x.unsqueeze(0).transpose(1, 2) for x in (query, key, value))
+    out, lse = block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)
+    return out[0].transpose(0, 1).contiguous(), lse[0]

@@ -657,7 +657,10 @@ def flash_attention_varlen(
     (B + 1,) and ``max_seqlen_q``/``max_seqlen_k`` bound the lengths. Each sequence runs the op's
     own kernel on views of the packed tensors (no padding, no copy of the inputs), consecutive
     sequences of equal lengths as one batched call; on CUDA in 16-bit, where no gradient is
-    tracked, the kernels write straight into the packed output. ``causal`` and ``window`` align
+    tracked, the kernels write straight into the packed output. On CUDA, a batch of many short
+    sequences, or of several runs when a gradient is needed, runs instead as one block-sparse
+    call (forward and backward) over the packed tensors with the sequences' document mask
+    (``sparse_attn.explain`` names the route). ``causal`` and ``window`` align
     per sequence (bottom-right). The lengths are read once on the host: one
     synchronisation when ``cu_seqlens`` live on the GPU (pass CPU tensors to avoid it), and the
     call cannot be captured in a CUDA graph. Differentiable like ``flash_attention``.
@@ -673,6 +676,10 @@ def flash_attention_varlen(
     torch.Size([10, 4, 64])
     """
     bounds = _varlen.check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if _varlen.document_route(query, key, value, bounds):
+        left, right = _args.window_bounds(window)
+        out, lse = _varlen.run_documents(query, key, value, bounds, scale, bool(causal), left, right)
+        return _result(out, lse, None, return_lse)
     if _varlen.packed_flash(query, key, value):
         left, right = _args.window_bounds(window)
         out, lse = _varlen.run_flash_into(query, key, value, bounds, _args.scale(scale), bool(causal), left, right)

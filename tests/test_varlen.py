@@ -1,6 +1,8 @@
 """Packed variable-length batches: each sequence of flash/block-sparse/top-k varlen equals the op on
 that sequence alone (the same kernel: bitwise), the outputs and LSE packed; gradients flow; bad
-cu_seqlens raise errors naming the argument."""
+cu_seqlens raise errors naming the argument. flash_attention_varlen's document route (one
+block-sparse call over the packed batch) has a mask equal to the sequences' element mask, the same
+on both builders, and results within tolerance of the per-sequence ones."""
 
 from __future__ import annotations
 
@@ -8,7 +10,14 @@ import pytest
 import torch
 
 import sparse_attn
-from sparse_attn import patterns
+from sparse_attn import _varlen, patterns
+
+
+@pytest.fixture
+def per_run(monkeypatch):
+    """flash_attention_varlen on its per-run route (one flash call per run of equal lengths), whose
+    results are bitwise those of the per-sequence calls."""
+    monkeypatch.setattr(_varlen, "document_route", lambda *a, **kw: False)
 
 
 def packed(lens_q, lens_k, h=4, hkv=2, d=64, *, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -35,7 +44,7 @@ def per_sequence(op, q, k, v, cu_q, cu_k, **kw):
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 17), (False, (5, 9))])
 @pytest.mark.parametrize("lens_q,lens_k", [([37, 1, 130, 64], [37, 1, 130, 64]), ([3, 50, 1], [40, 50, 77])])
-def test_flash_varlen(device, causal, window, lens_q, lens_k):
+def test_flash_varlen(device, causal, window, lens_q, lens_k, per_run):
     q, k, v, cu_q, cu_k = packed(lens_q, lens_k, device=device)
     out, lse = sparse_attn.flash_attention_varlen(
         q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, window=window, return_lse=True
@@ -46,14 +55,12 @@ def test_flash_varlen(device, causal, window, lens_q, lens_k):
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_flash_varlen_equal_lengths_batched(device, grad):
+def test_flash_varlen_equal_lengths_batched(device, grad, per_run):
     # Runs of consecutive sequences of equal lengths go through one batched call (24 x 48 here,
     # broken by an empty query sequence and a longer one): bitwise the per-sequence results.
     lens_q = [48] * 10 + [0] + [48] * 14 + [100]
     lens_k = [48] * 10 + [7] + [48] * 14 + [120]
     q, k, v, cu_q, cu_k = packed(lens_q, lens_k, device=device)
-    from sparse_attn import _varlen
-
     bounds = _varlen.check(q, k, v, cu_q, cu_k, 100, 120)
     assert [(n, lq, lk) for _, _, n, lq, lk in _varlen._runs(bounds)] == [(10, 48, 48), (14, 48, 48), (1, 100, 120)]
     with torch.set_grad_enabled(grad):
@@ -63,7 +70,7 @@ def test_flash_varlen_equal_lengths_batched(device, grad):
     assert torch.equal(out.detach(), ref) and torch.equal(lse, ref_lse)
 
 
-def test_explain_flash_varlen():
+def test_explain_flash_varlen(per_run):
     # One flash launch per run of equal-length sequences; on a GPU target in 16-bit the kernels
     # write into the packed output, in fp32 (or with gradients) the outputs are concatenated.
     q, k, v, cu_q, cu_k = packed([48, 48, 0, 100], [48, 48, 7, 120])
@@ -83,7 +90,7 @@ def test_explain_flash_varlen():
     assert "concatenated" in plan.why, str(plan)
 
 
-def test_flash_varlen_cpu_seqlens_and_empty_sequences(device):
+def test_flash_varlen_cpu_seqlens_and_empty_sequences(device, per_run):
     # Empty sequences (no query, or no key) and cu_seqlens on the CPU for GPU tensors.
     q, k, v, cu_q, cu_k = packed([5, 0, 7], [5, 3, 0], device=device)
     out, lse = sparse_attn.flash_attention_varlen(q, k, v, cu_q.cpu(), cu_k.cpu(), 7, 5, return_lse=True)
@@ -105,12 +112,10 @@ def test_flash_varlen_gradients(device):
 
 
 @pytest.mark.cuda
-def test_flash_varlen_writes_in_place(monkeypatch):
+def test_flash_varlen_writes_in_place(monkeypatch, per_run):
     # On CUDA in 16-bit, with no gradient to track, each sequence's kernel writes into the packed
     # output (no concatenation): bitwise the per-sequence results; a call that tracks gradients
     # keeps the per-sequence ops (their autograd) and their concatenation.
-    from sparse_attn import _varlen
-
     q, k, v, cu_q, cu_k = packed([300, 0, 77, 129], [300, 5, 77, 200], h=8, hkv=2, d=128, device="cuda")
     ref, ref_lse = per_sequence(sparse_attn.flash_attention, q, k, v, cu_q, cu_k, causal=True)
     calls = []
@@ -189,3 +194,154 @@ def test_bad_layout():
     q, k, v, cu_q, cu_k = packed([5], [5])
     with pytest.raises(ValueError, match="query must be a packed 3-D tensor"):
         sparse_attn.flash_attention_varlen(q[None], k, v, cu_q, cu_k, 5, 5)
+
+
+def row_intervals(lens_q, lens_k, left, right):
+    """The reference: the (total_q, total_k) element mask of packed sequences, each row seeing its
+    sequence's keys in its band (bottom-right aligned; -1 unbounded)."""
+    tq, tk = sum(lens_q), sum(lens_k)
+    dense = torch.zeros(tq, tk, dtype=torch.bool)
+    q0 = k0 = 0
+    for lq, lk in zip(lens_q, lens_k, strict=True):
+        i = torch.arange(lq)[:, None] + (lk - lq)  # diagonal key of each row, local
+        j = torch.arange(lk)[None]
+        ok = torch.ones(lq, lk, dtype=torch.bool)
+        if left >= 0:
+            ok &= j >= i - left
+        if right >= 0:
+            ok &= j <= i + right
+        dense[q0 : q0 + lq, k0 : k0 + lk] = ok
+        q0, k0 = q0 + lq, k0 + lk
+    return dense
+
+
+DOCUMENT_BATCHES = [
+    ([37, 1, 130, 64, 300], [37, 1, 130, 64, 300]),  # self-attention, ragged
+    ([128, 128, 256], [128, 128, 256]),  # block-aligned: full blocks, diagonal partials
+    ([3, 50, 0, 1, 200], [40, 50, 7, 0, 20]),  # Lq != Lk, empty sequences, rows that see nothing
+    ([500], [700]),
+]
+
+
+@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (17, 0), (5, 9), (0, 3), (200, -1)])
+@pytest.mark.parametrize("block", [(128, 128), (64, 128), (128, 64), (64, 64)])
+@pytest.mark.parametrize("lens_q,lens_k", DOCUMENT_BATCHES)
+def test_document_mask_is_the_sequences_mask(lens_q, lens_k, left, right, block):
+    # The builder's mask equals the element mask of the sequences' bands; a block every row of its
+    # query block sees whole (within the lengths) is listed full; the host's bounds hold.
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k)
+    bounds = _varlen.check(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+    mask = _varlen.document_mask(bounds, q.shape[0], k.shape[0], left, right, "cpu", block)
+    mask.validate()
+    ref = row_intervals(lens_q, lens_k, left, right)
+    assert torch.equal(mask.to_dense()[0, 0], ref)
+    bq, bk = block
+    table = mask.block_table()[0, 0]
+    for qb in range(table.shape[0]):
+        for kb in range(table.shape[1]):
+            tile = ref[qb * bq : (qb + 1) * bq, kb * bk : (kb + 1) * bk]
+            assert (table[qb, kb] == -1) == bool(tile.all()), (qb, kb)
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, 33), (False, (5, 9))])
+@pytest.mark.parametrize("lens_q,lens_k", DOCUMENT_BATCHES[:3])
+def test_flash_varlen_documents(device, causal, window, lens_q, lens_k):
+    # The document route (one block-sparse call) against the per-sequence flash calls: outputs,
+    # LSE and gradients within the 16-bit tolerance.
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, device=device)
+    bounds = _varlen.check(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+    left, right = sparse_attn._args.window_bounds(window)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = _varlen.run_documents(q, k, v, bounds, None, causal, left, right)
+    ref, ref_lse = per_sequence(sparse_attn.flash_attention, q, k, v, cu_q, cu_k, causal=causal, window=window)
+    assert out.shape == ref.shape and out.is_contiguous() and lse.shape == ref_lse.shape
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=1e-3, rtol=1e-3)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    refs = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(grads, refs, strict=True):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+def test_document_route_choice():
+    # CPU calls keep the per-run route; on a GPU, many short runs (or a gradient) take the
+    # document route, a single run or a few long ones do not.
+    short = packed([100, 37, 300, 64, 5], [100, 37, 300, 64, 5])
+    long = packed([4000, 6000], [4000, 6000], h=1, hkv=1, d=8)
+    one = packed([64] * 8, [64] * 8)
+    route = lambda t, cuda: _varlen.document_route(  # noqa: E731
+        t[0], t[1], t[2], _varlen.check(*t, 1 << 20, 1 << 20), cuda=cuda
+    )
+    assert not route(short, False) and route(short, True)
+    assert not route(long, True) and not route(one, True)
+    long[0].requires_grad_()
+    assert route(long, True) and not route(long, False)
+    longer = packed([9000, 12000], [9000, 12000], h=1, hkv=1, d=8)
+    longer[0].requires_grad_()
+    assert not route(longer, True)
+    plan = sparse_attn.explain(sparse_attn.flash_attention_varlen, *short, 300, 300, causal=True, target="sm90")
+    assert plan.route == "varlen_documents" and plan.launches[0].kernel == "block_sparse_fwd", str(plan)
+    assert "block_sparse_bwd" in plan.backward and "fewer than" in plan.why, str(plan)
+
+
+def test_document_mask_op(device):
+    # The builder op passes opcheck (fake kernel, schema, dispatch) and refuses bad arguments by name.
+    cu = torch.tensor([0, 100, 130, 300], dtype=torch.int32, device=device)
+    q = torch.zeros(300, 1, 8)
+    bounds = _varlen.check(q, q, q, cu.cpu(), cu.cpu(), 300, 300)
+    max_kb, offsets, _ = _varlen.document_mask_bounds(bounds, 300, 300, -1, 0)
+    offsets = torch.from_numpy(offsets).to(device)
+    args = (cu, cu, offsets, int(offsets[-1]), 300, 300, 128, 128, -1, 0, max_kb)
+    op = torch.ops.sparse_attn._document_mask.default
+    result = torch.library.opcheck(op, args)
+    assert all(v == "SUCCESS" for v in result.values()), result
+    with pytest.raises(RuntimeError, match="partial_offsets must be int64"):
+        op(cu, cu, offsets.int(), *args[3:])
+    with pytest.raises(RuntimeError, match="q_block and kv_block"):
+        op(*args[:6], 32, *args[7:])
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be int32"):
+        op(cu.long(), *args[1:])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (40, 0)])
+def test_document_mask_cuda_builder_equals_cpu(left, right):
+    # The CUDA builder writes the CPU builder's lists and the same bits in every listed partial row.
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(0, 700, (40,), generator=g).tolist()
+    q, k, v, cu_q, cu_k = packed(lens, lens, h=1, hkv=1, d=8)
+    bounds = _varlen.check(q, k, v, cu_q, cu_k, 700, 700)
+    for block in ((128, 128), (64, 128), (128, 64)):
+        a = _varlen.document_mask(bounds, q.shape[0], k.shape[0], left, right, "cpu", block)
+        b = _varlen.document_mask(bounds, q.shape[0], k.shape[0], left, right, "cuda", block)
+        for x, y in zip(a._tensors()[:3], b._tensors()[:3], strict=True):
+            assert torch.equal(x, y.cpu())
+        assert torch.equal(a.partial_masks, b.partial_masks.cpu())
+
+
+@pytest.mark.cuda
+def test_flash_varlen_documents_route_on_cuda():
+    # A batch of many short sequences takes the document route on CUDA (no gradient) and matches
+    # the per-sequence calls; so does a training call over a few runs, gradients included.
+    g = torch.Generator().manual_seed(2)
+    lens = torch.randint(1, 400, (30,), generator=g).tolist()
+    q, k, v, cu_q, cu_k = packed(lens, lens, h=8, hkv=2, d=128, device="cuda")
+    bounds = _varlen.check(q, k, v, cu_q, cu_k, 400, 400)
+    assert _varlen.document_route(q, k, v, bounds)
+    out, lse = sparse_attn.flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 400, causal=True, return_lse=True)
+    ref, ref_lse = per_sequence(sparse_attn.flash_attention, q, k, v, cu_q, cu_k, causal=True)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    q2, k2, v2, cu_q2, cu_k2 = packed([700, 900], [700, 900], h=8, hkv=2, d=128, device="cuda")
+    q2, k2, v2 = (t.requires_grad_() for t in (q2, k2, v2))
+    out = sparse_attn.flash_attention_varlen(q2, k2, v2, cu_q2, cu_k2, 900, 900, causal=True)
+    ref, _ = per_sequence(sparse_attn.flash_attention, q2, k2, v2, cu_q2, cu_k2, causal=True)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    gr = torch.randn_like(out)
+    for a, b in zip(
+        torch.autograd.grad(out, (q2, k2, v2), gr), torch.autograd.grad(ref, (q2, k2, v2), gr), strict=True
+    ):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)

@@ -5,6 +5,7 @@
 #include <limits>
 #include <sstream>
 
+#include "sparse_attn/document_mask.h"
 #include "sparse_attn/selection_mask.h"
 
 namespace sparse_attn {
@@ -355,6 +356,62 @@ void set_params_gather(AttnFwdParams& params, const at::Tensor& query, const Qkv
   params.h_idx = int(hi);
   params.h_per_idx = hi > 0 ? int(s.h / hi) : 1;
   params.topk = int(indices.size(3));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_document_mask(
+    DocumentMaskParams& params, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const at::Tensor& partial_offsets, int64_t num_partial, int64_t total_q, int64_t total_k, int64_t q_block,
+    int64_t kv_block, int64_t window_left, int64_t window_right, int64_t max_kb) {
+  check_int32(cu_seqlens_q, "cu_seqlens_q");
+  check_int32(cu_seqlens_k, "cu_seqlens_k");
+  check_same_device(cu_seqlens_q, cu_seqlens_k, "cu_seqlens_k");
+  check_same_device(cu_seqlens_q, partial_offsets, "partial_offsets");
+  TORCH_CHECK(
+      cu_seqlens_q.dim() == 1 && cu_seqlens_q.numel() >= 1 && cu_seqlens_k.sizes() == cu_seqlens_q.sizes(),
+      "cu_seqlens_q and cu_seqlens_k must be 1-D (B + 1,) of one size, got ", cu_seqlens_q.sizes(), " and ",
+      cu_seqlens_k.sizes());
+  TORCH_CHECK((q_block == 64 || q_block == 128) && (kv_block == 64 || kv_block == 128),
+              "q_block and kv_block must be 64 or 128, got ", q_block, " and ", kv_block);
+  TORCH_CHECK(total_q >= 0 && total_q <= INT_MAX && total_k >= 0 && total_k <= INT_MAX,
+              "total_q and total_k must be in [0, 2^31), got ", total_q, " and ", total_k);
+  TORCH_CHECK(window_left >= -1 && window_right >= -1 && window_left <= INT_MAX && window_right <= INT_MAX,
+              "window_left and window_right must be -1 (unbounded) or non-negative ints");
+  const int64_t b = cu_seqlens_q.numel() - 1;
+  const int64_t nqb = (total_q + q_block - 1) / q_block, nkb = (total_k + kv_block - 1) / kv_block;
+  TORCH_CHECK(b > 0 || total_q == 0, "total_q must be 0 for an empty batch, got ", total_q);
+  TORCH_CHECK(partial_offsets.scalar_type() == at::kLong && partial_offsets.dim() == 1 &&
+                  partial_offsets.numel() == nqb + 1,
+              "partial_offsets must be int64 (nQb + 1 = ", nqb + 1, ",), got ", partial_offsets.scalar_type(),
+              " ", partial_offsets.sizes());
+  TORCH_CHECK(cu_seqlens_q.is_contiguous() && cu_seqlens_k.is_contiguous() && partial_offsets.is_contiguous(),
+              "cu_seqlens_q, cu_seqlens_k and partial_offsets must be contiguous");
+  TORCH_CHECK(max_kb >= 0 && max_kb <= nkb && num_partial >= 0, "max_kb must be in [0, ", nkb,
+              "] and num_partial >= 0, got ", max_kb, " and ", num_partial);
+  const auto i32 = cu_seqlens_q.options().dtype(at::kInt);
+  at::Tensor num = at::empty({1, 1, nqb}, i32);
+  at::Tensor kvi = at::empty({1, 1, nqb, max_kb}, i32);
+  at::Tensor kvp = at::empty({1, 1, nqb, max_kb}, i32);
+  at::Tensor words = at::zeros({num_partial, q_block, kv_block / 32}, i32);  // rows not used stay 0
+  params = {};
+  params.cu_q = cu_seqlens_q.data_ptr<int32_t>();
+  params.cu_k = cu_seqlens_k.data_ptr<int32_t>();
+  params.partial_offsets = partial_offsets.data_ptr<int64_t>();
+  params.num_partial = num_partial;
+  params.b = int(b);
+  params.total_q = int(total_q);
+  params.total_k = int(total_k);
+  params.q_block = int(q_block);
+  params.kv_block = int(kv_block);
+  params.nqb = int(nqb);
+  params.nkb = int(nkb);
+  params.max_kb = int(max_kb);
+  params.window_left = int(window_left);
+  params.window_right = int(window_right);
+  params.kv_num_blocks = num.data_ptr<int32_t>();
+  params.kv_indices = kvi.data_ptr<int32_t>();
+  params.kv_partial = kvp.data_ptr<int32_t>();
+  params.words = reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>());
+  return {num, kvi, kvp, words};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_mask(

@@ -82,6 +82,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_
     SelectionMaskParams& params, at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block,
     int64_t kv_block, bool causal, int64_t row_offset, int64_t entry_block);
 
+// _document_mask's checks and outputs (sparse_attn/document_mask.h): cu_seqlens_q / _k (B + 1,)
+// int32 and partial_offsets (nQb + 1,) int64 on one device; the outputs allocated and the params
+// pointing into them. Returns (kv_num_blocks, kv_indices, kv_partial, partial_masks).
+struct DocumentMaskParams;
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_document_mask(
+    DocumentMaskParams& params, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const at::Tensor& partial_offsets, int64_t num_partial, int64_t total_q, int64_t total_k, int64_t q_block,
+    int64_t kv_block, int64_t window_left, int64_t window_right, int64_t max_kb);
+
 // Visible band from the user's causal flag and window; -1 is unbounded.
 void set_params_window(AttnFwdParams& params, bool causal, int64_t window_left, int64_t window_right);
 

@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "sparse_attn/cpu/attention_cpu.h"
+#include "sparse_attn/document_mask.h"
 #include "sparse_attn/selection_mask.h"
 
 namespace sparse_attn {
@@ -119,16 +120,27 @@ std::tuple<at::Tensor, at::Tensor> gather_fwd_cpu(const at::Tensor& query, const
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cpu(const at::Tensor& indices,
-                                                                              int64_t key_length, int64_t heads,
-                                                                              int64_t q_block, int64_t kv_block,
-                                                                              bool causal, int64_t row_offset, int64_t entry_block) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cpu(
+    const at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block, int64_t kv_block,
+    bool causal, int64_t row_offset, int64_t entry_block) {
   check_cpu(indices);
   at::Tensor idx = indices;
   SelectionMaskParams params;
   auto out = set_params_selection_mask(params, idx, key_length, heads, q_block, kv_block, causal, row_offset,
                                        entry_block);
   cpu::selection_mask(params);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> document_mask_cpu(
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& partial_offsets,
+    int64_t num_partial, int64_t total_q, int64_t total_k, int64_t q_block, int64_t kv_block,
+    int64_t window_left, int64_t window_right, int64_t max_kb) {
+  check_cpu(cu_seqlens_q);
+  DocumentMaskParams params;
+  auto out = set_params_document_mask(params, cu_seqlens_q, cu_seqlens_k, partial_offsets, num_partial,
+                                      total_q, total_k, q_block, kv_block, window_left, window_right, max_kb);
+  cpu::document_mask(params);
   return out;
 }
 
@@ -212,6 +224,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CPU, m) {
   m.impl("gather_fwd", &gather_fwd_cpu);
   m.impl("topk_select", &topk_select_cpu);
   m.impl("_selection_mask", &selection_mask_cpu);
+  m.impl("_document_mask", &document_mask_cpu);
   m.impl("indexer_select", &indexer_select_cpu);
 }
 

@@ -267,6 +267,19 @@ at::Tensor topk_select_cuda(const at::Tensor& query, const at::Tensor& key, int6
   return run_select(params, out, query);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> document_mask_cuda(
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& partial_offsets,
+    int64_t num_partial, int64_t total_q, int64_t total_k, int64_t q_block, int64_t kv_block,
+    int64_t window_left, int64_t window_right, int64_t max_kb) {
+  check_cuda(cu_seqlens_q);
+  const c10::cuda::CUDAGuard guard(cu_seqlens_q.device());
+  DocumentMaskParams params;
+  auto out = set_params_document_mask(params, cu_seqlens_q, cu_seqlens_k, partial_offsets, num_partial,
+                                      total_q, total_k, q_block, kv_block, window_left, window_right, max_kb);
+  check_launch(run_document_mask(params, c10::cuda::getCurrentCUDAStream()), "document_mask");
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cuda(
     const at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block, int64_t kv_block,
     bool causal, int64_t row_offset, int64_t entry_block) {
@@ -589,6 +602,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
   m.impl("gather_fwd", &gather_fwd_cuda);
   m.impl("topk_select", &topk_select_cuda);
   m.impl("_selection_mask", &selection_mask_cuda);
+  m.impl("_document_mask", &document_mask_cuda);
   m.impl("indexer_select", &indexer_select_cuda);
   m.impl("flash_fwd", &flash_fwd_cuda);
   m.impl("_flash_fwd_out", &flash_fwd_out_cuda);

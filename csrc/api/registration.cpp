@@ -167,6 +167,15 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int row_offset, int entry_block=1) -> (Tensor kv_num_blocks, Tensor kv_indices, Tensor kv_partial, "
       "Tensor partial_masks)");
 
+  // Packed sequences (cu_seqlens_q / _k) as one block-sparse mask (sparse_attn/document_mask.h):
+  // flash_attention_varlen's one-launch route. Query block qb's partial rows are
+  // partial_offsets[qb] ... partial_offsets[qb + 1] - 1 of the num_partial rows; lists of max_kb.
+  m.def(
+      "_document_mask(Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor partial_offsets, int num_partial, "
+      "int total_q, int total_k, int q_block, int kv_block, int window_left, int window_right, int max_kb) "
+      "-> "
+      "(Tensor kv_num_blocks, Tensor kv_indices, Tensor kv_partial, Tensor partial_masks)");
+
   // Context parallelism's merge of a partial output (part, part_lse) into (out, lse) by their LSEs,
   // in place, summed in fp32 and rounded once (CUDA; the CPU path composes torch ops).
   m.def("_merge_partial_(Tensor(a!) out, Tensor(b!) lse, Tensor part, Tensor part_lse) -> ()");

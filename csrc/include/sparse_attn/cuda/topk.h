@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "sparse_attn/document_mask.h"
 #include "sparse_attn/params.h"
 #include "sparse_attn/plan.h"
 #include "sparse_attn/selection_mask.h"
@@ -27,5 +28,9 @@ cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaS
 // A selection as a block-sparse mask (selection_mask.h): one CTA of q_block threads per
 // (query block, group, batch); p.words zeroed beforehand.
 cudaError_t run_selection_mask(const SelectionMaskParams& p, cudaStream_t stream);
+
+// Packed documents as a block-sparse mask (document_mask.h): one CTA of q_block threads per query
+// block.
+cudaError_t run_document_mask(const DocumentMaskParams& p, cudaStream_t stream);
 
 }  // namespace sparse_attn
