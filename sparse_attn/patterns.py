@@ -47,6 +47,7 @@ __all__ = [
     "longformer",
     "bigbird",
     "random_blocks",
+    "documents",
 ]
 
 
@@ -444,3 +445,46 @@ def random_blocks(
         raise ValueError(f"density must lie in [0, 1], got {density}")
     heads = _positive("heads", heads)
     return compile_mask(RandomBlocks(density, seed, heads), (seq_len, seq_len), _blocks(block_size), device)
+
+
+def documents(
+    cu_seqlens: Sequence[int] | torch.Tensor,
+    *,
+    causal: bool = False,
+    window: int | tuple[int | None, int | None] | None = None,
+    block_size: int | tuple[int, int] = 128,
+    device=None,
+) -> BlockSparseMask:
+    """Packed sequences (FlexAttention's document masking): query i sees key j iff both lie in the
+    same sequence, and, within it, ``causal`` (j <= i) and ``window`` hold (``flash_attention``'s
+    window: an int w or a (left, right) pair, i - left <= j <= i + right; None unbounded).
+
+    ``cu_seqlens``: the sequences' offsets in the packed length, (B + 1,) from 0 to L, non-decreasing
+    (as ``flash_attention_varlen`` takes them; a CPU or GPU tensor, or a sequence of ints). The mask
+    is (L, L); each query block lists one range of key blocks, full where all its rows see them
+    whole. It is what ``flash_attention_varlen`` runs a batch of many short sequences with, built on
+    ``device`` (default CPU) by one kernel from one host-to-device copy, never over an L x L
+    tensor; with block-sparse patterns of the same L it composes like any mask (``&`` to restrict a
+    pattern to each sequence).
+
+    Examples
+    --------
+    >>> from sparse_attn import patterns
+    >>> mask = patterns.documents([0, 100, 300], causal=True)
+    >>> mask.seq_lengths, mask.to_dense()[0, 0, 150, 99].item(), mask.to_dense()[0, 0, 150, 100].item()
+    ((300, 300), False, True)
+    """
+    from . import _args, _varlen
+
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if not cu or cu[0] != 0 or any(not isinstance(c, int) or isinstance(c, bool) for c in cu):
+        raise ValueError(f"cu_seqlens must be integer offsets (B + 1,) starting at 0, got {cu_seqlens!r}")
+    if any(b < a for a, b in zip(cu, cu[1:], strict=False)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+    left, right = _args.window_bounds(window)
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    bounds = [(a, b, a, b) for a, b in zip(cu, cu[1:], strict=False)]
+    blocks = _blocks(block_size)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    return _varlen.document_mask(bounds, cu[-1], cu[-1], left, right, dev, blocks)

@@ -345,3 +345,26 @@ def test_flash_varlen_documents_route_on_cuda():
         torch.autograd.grad(out, (q2, k2, v2), gr), torch.autograd.grad(ref, (q2, k2, v2), gr), strict=True
     ):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+def test_documents_pattern(device):
+    # patterns.documents: the packed sequences' element mask (as flash_attention_varlen's route
+    # builds it), on the requested device; composes with other patterns; bad offsets raise.
+    from sparse_attn import patterns
+
+    lens = [37, 0, 130, 64, 300]
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    mask = patterns.documents(cu, causal=True, window=50, device=device)
+    assert mask.device.type == torch.device(device).type and mask.seq_lengths == (531, 531)
+    assert torch.equal(mask.to_dense()[0, 0].cpu(), row_intervals(lens, lens, 50, 0))
+    both = patterns.documents(torch.tensor(cu, dtype=torch.int32), device=device) & patterns.sliding_window(
+        531, 20, device=device
+    )
+    assert torch.equal(both.to_dense()[0, 0].cpu(), row_intervals(lens, lens, 19, 19))
+    q, k, v, cu_q, cu_k = packed(lens, lens, device=device)
+    out = sparse_attn.block_sparse_attention(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), mask)
+    ref, _ = per_sequence(sparse_attn.flash_attention, q, k, v, cu_q, cu_k, causal=True, window=(50, 0))
+    torch.testing.assert_close(out[0].transpose(0, 1), ref, atol=2e-2, rtol=2e-2)
+    for bad, match in (([1, 5], "starting at 0"), ([0, 5, 3], "non-decreasing"), ([0, 2.5], "integer")):
+        with pytest.raises(ValueError, match=match):
+            patterns.documents(bad)
