@@ -380,9 +380,10 @@ def uniform_lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
 def varlen_routes_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
     """flash_attention_varlen's two routes on one packed causal batch: one flash call per run of
     equal lengths, or one block-sparse call over the document mask. Eager forward (host work
-    included), the attention alone as a graph (the mask built beforehand; the document route
-    itself is not captured), the mask's build on the host, and a training step (forward and
-    backward, eager); "auto" is the route the op takes outside a graph capture."""
+    included; the document route builds its mask in the first call and the timed calls reuse it,
+    as a model's later layers do), the attention alone as a graph (the document route itself is
+    not captured), the mask's build on the host (what the first layer pays), and a training step
+    (forward and backward, eager); "auto" is the route the op takes outside a graph capture."""
     from sparse_attn import _varlen
 
     out = [

@@ -7,6 +7,7 @@ block-sparse call over the whole packed batch with the sequences' document mask
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +22,11 @@ from .masks import BlockSparseMask, cta_schedule
 # route's launches cost more). docs/PERF_LOG.md, "varlen in one launch".
 DOCUMENT_ROUTE_TOKENS = 1536
 DOCUMENT_ROUTE_TOKENS_GRAD = 8192
+
+# The document route's masks of recent calls, by sequences, band, device and stream: a model's
+# layers pass the same cu_seqlens, so the first layer builds the mask and the others reuse it.
+_DOCUMENT_MASKS: OrderedDict = OrderedDict()
+DOCUMENT_MASKS_KEPT = 8
 
 
 def check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int):
@@ -227,6 +233,22 @@ def document_mask(bounds, total_q: int, total_k: int, left: int, right: int, dev
     return mask
 
 
+def _cached_document_mask(bounds, total_q: int, total_k: int, left: int, right: int, device):
+    """document_mask, kept for the next DOCUMENT_MASKS_KEPT distinct calls (the masks are never
+    modified; the stream is part of the key, so a mask is only reused in its own stream's order)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (tuple(x for b in bounds for x in b), total_q, total_k, left, right, str(device), stream)
+    mask = _DOCUMENT_MASKS.get(key)
+    if mask is not None:
+        _DOCUMENT_MASKS.move_to_end(key)
+        return mask
+    mask = document_mask(bounds, total_q, total_k, left, right, device)
+    _DOCUMENT_MASKS[key] = mask
+    while len(_DOCUMENT_MASKS) > DOCUMENT_MASKS_KEPT:
+        _DOCUMENT_MASKS.popitem(last=False)
+    return mask
+
+
 def run_documents(query, key, value, bounds, scale, causal: bool, left: int, right: int):
     """The packed batch as one block_sparse_attention call over its document mask: the packed
     (total, H, D) tensors viewed as one (1, H, total, D) sequence; returns (total_q, H, Dv) and
@@ -235,7 +257,7 @@ def run_documents(query, key, value, bounds, scale, causal: bool, left: int, rig
 
     if causal:
         right = 0 if right < 0 else min(right, 0)
-    mask = document_mask(bounds, query.shape[0], key.shape[0], left, right, query.device)
+    mask = _cached_document_mask(bounds, query.shape[0], key.shape[0], left, right, query.device)
     q, k, v = (x.unsqueeze(0).transpose(1, 2) for x in (query, key, value))
     out, lse = block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)
     return out[0].transpose(0, 1).contiguous(), lse[0]

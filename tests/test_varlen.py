@@ -368,3 +368,25 @@ def test_documents_pattern(device):
     for bad, match in (([1, 5], "starting at 0"), ([0, 5, 3], "non-decreasing"), ([0, 2.5], "integer")):
         with pytest.raises(ValueError, match=match):
             patterns.documents(bad)
+
+
+def test_document_masks_reused_across_calls(monkeypatch):
+    # The document route builds a batch's mask once: a second call with the same sequences and band
+    # (another layer of the model) reuses it; another band or batch builds its own; at most
+    # DOCUMENT_MASKS_KEPT are kept.
+    built = []
+    build = _varlen.document_mask
+    monkeypatch.setattr(_varlen, "document_mask", lambda *a, **kw: built.append(a[3:5]) or build(*a, **kw))
+    monkeypatch.setattr(_varlen, "_DOCUMENT_MASKS", type(_varlen._DOCUMENT_MASKS)())
+    q, k, v, cu_q, cu_k = packed([40, 90, 7], [40, 90, 7])
+    bounds = _varlen.check(q, k, v, cu_q, cu_k, 90, 90)
+    first = _varlen.run_documents(q, k, v, bounds, None, True, -1, -1)
+    again = _varlen.run_documents(q, k, v, bounds, None, True, -1, -1)
+    assert built == [(-1, 0)] and torch.equal(first[0], again[0])
+    _varlen.run_documents(q, k, v, bounds, None, False, 5, 5)
+    assert built == [(-1, 0), (5, 5)]
+    for n in range(1, _varlen.DOCUMENT_MASKS_KEPT + 1):
+        _varlen.run_documents(q, k, v, bounds, None, False, n + 10, -1)
+    assert len(_varlen._DOCUMENT_MASKS) == _varlen.DOCUMENT_MASKS_KEPT
+    _varlen.run_documents(q, k, v, bounds, None, True, -1, -1)  # evicted: built again
+    assert built[-1] == (-1, 0) and len(built) == 3 + _varlen.DOCUMENT_MASKS_KEPT
