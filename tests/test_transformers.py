@@ -267,3 +267,52 @@ def test_pattern_mode_generation_with_cache_equals_without():
     attention = torch.ones_like(ids2)
     attention[0, :5] = 0
     ours(ids2, attention_mask=attention)
+
+
+def _packed_batch(lens, seed=3):
+    """Sequences of these lengths, alone and packed into one row (transformers'
+    DataCollatorWithFlattening, with its flash-attention kwargs)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lens]
+    batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s} for s in seqs])
+    return [torch.tensor([s]) for s in seqs], batch
+
+
+@pytest.mark.parametrize("given", ["cu_seq_lens", "position_ids"])
+@pytest.mark.parametrize("mode", [{}, {"mode": "sliding_window", "window": 8}, {"mode": "topk", "k": 6}])
+@torch.no_grad()
+def test_packed_sequences_run_each_sequence_alone(given, mode):
+    # A padding-free batch (flash_attention_2's packing): each sequence attends only to itself,
+    # whether the cu_seq_lens kwargs are given or only the position_ids restart; the packed logits
+    # equal each sequence run alone (the SDPA model's too, in dense mode).
+    ours, ref = _pair()
+    sa_hf.configure(ours, **mode)
+    seqs, batch = _packed_batch([11, 1, 30, 7])
+    kw = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    if given == "cu_seq_lens":
+        kw.update({k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")})
+    packed = ours(**kw).logits[0]
+    alone = torch.cat([ours(s).logits[0] for s in seqs])
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=2e-5)
+    if not mode:
+        torch.testing.assert_close(packed, torch.cat([ref(s).logits[0] for s in seqs]), atol=2e-5, rtol=2e-5)
+
+
+def test_packed_training_step_equals_each_sequence_alone():
+    # A padding-free training step: the loss and gradients of the packed row equal those of the
+    # sequences run one by one (their tokens' losses summed the same way).
+    ours, _ = _pair()
+    ours.train()
+    seqs, batch = _packed_batch([9, 25, 14])
+    out = ours(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
+    labels = batch["labels"][0]
+    loss = torch.nn.functional.cross_entropy(out[:-1], labels[1:], ignore_index=-100, reduction="sum")
+    grads = torch.autograd.grad(loss, list(ours.parameters()))
+    total = 0
+    for s in seqs:
+        logits = ours(s).logits[0]
+        total = total + torch.nn.functional.cross_entropy(logits[:-1], s[0, 1:], reduction="sum")
+    refs = torch.autograd.grad(total, list(ours.parameters()))
+    torch.testing.assert_close(loss, total, atol=1e-4, rtol=1e-5)
+    for a, b in zip(grads, refs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)

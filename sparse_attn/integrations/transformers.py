@@ -9,7 +9,11 @@
 Each attention layer of the model then calls :func:`attention_forward`, which runs the layer's
 mode (:class:`LayerConfig`) with sparse_attn's ops: GQA without repeating K/V, bottom-right causal
 (so prefill and KV-cache decode both work), the output already in the (B, L, H, D) layout the
-layer's projection reads. A padding or other boolean mask from the model is honoured exactly
+layer's projection reads. A padding-free (packed) batch runs each sequence alone, as transformers'
+flash_attention_2 does: the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` it is given
+(``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or the sequence starts in one row's
+``position_ids`` (through the ``*_varlen`` ops; ``flash_attention_varlen`` runs many short sequences
+as one launch). A padding or other boolean mask from the model is honoured exactly
 (a block-sparse mask of its elements, converted once per forward; in mode ``topk`` a right-padded
 batch's mask, read as per-sequence key lengths, and no other); an additive float mask
 (e.g. a position bias) goes to ``dense_attention``. Dropout is not supported (inference and
@@ -175,6 +179,64 @@ def _layer_pattern(config: LayerConfig) -> patterns.Pattern:
     return _pattern(config.pattern, config.pattern_args or {})
 
 
+def _packed_sequences(query, key, attention_mask, kwargs):
+    """(cu_seqlens_q, cu_seqlens_k, max_q, max_k) of a padding-free (packed) batch, as transformers'
+    flash_attention_2 reads it: the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` it is given
+    (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or, for one packed row without
+    a mask, the starts of ``position_ids`` (a 0 after the first token starts a sequence; read once
+    per position_ids tensor, one synchronisation); None for an ordinary batch."""
+    b, lq, lk = query.shape[0], query.shape[2], key.shape[2]
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        cu_k = cu_q if cu_k is None else cu_k
+        return (
+            cu_q.to(torch.int32),
+            cu_k.to(torch.int32),
+            int(kwargs.get("max_length_q") or b * lq),
+            int(kwargs.get("max_length_k") or b * lk),
+        )
+    pos = kwargs.get("position_ids")
+    if attention_mask is not None or pos is None or b != 1 or lq != lk or pos.shape != (1, lq) or lq < 2:
+        return None
+
+    def starts(p):
+        zeros = (p[0] == 0).nonzero().flatten().tolist()
+        if len(zeros) < 2 or zeros[0] != 0:
+            return None
+        return torch.tensor([*zeros, lq], dtype=torch.int32)
+
+    cu = _per_mask(pos, "packed", starts)
+    return None if cu is None else (cu, cu, lq, lq)
+
+
+def _packed_forward(query, key, value, packed, config: LayerConfig, mode: str, causal: bool, scaling):
+    """The layer's mode over each packed sequence alone (the ``*_varlen`` ops), causal per sequence;
+    returns (B, Lq, H, Dv)."""
+    cu_q, cu_k, max_q, max_k = packed
+    b, h, lq, _ = query.shape
+    q = query.transpose(1, 2).reshape(b * lq, h, -1)
+    k = key.transpose(1, 2).reshape(b * key.shape[2], key.shape[1], -1)
+    v = value.transpose(1, 2).reshape(b * value.shape[2], value.shape[1], -1)
+    args = (q, k, v, cu_q, cu_k, max_q, max_k)
+    if mode == "dense":
+        out = ops.flash_attention_varlen(*args, causal=causal, scale=scaling)
+    elif mode == "sliding_window" and not config.sinks:
+        right = 0 if causal else config.window - 1
+        out = ops.flash_attention_varlen(*args, window=(config.window - 1, right), scale=scaling)
+    elif mode in ("sliding_window", "pattern"):
+        pattern = _layer_pattern(config)
+        out = ops.block_sparse_attention_varlen(
+            *args, lambda sq, sk: pattern.resolve(sq, sk, device=q.device), causal=causal, scale=scaling
+        )
+    elif config.sinks:
+        raise NotImplementedError("sparse_attn mode 'topk' with sinks does not take packed sequences yet")
+    else:
+        block = config.block_size if mode == "block_topk" else None
+        out = ops.topk_attention_varlen(*args, config.k, block_size=block, causal=causal, scale=scaling)
+    return out.reshape(b, lq, h, -1)
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -196,6 +258,9 @@ def attention_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     lq, lk = query.shape[2], key.shape[2]
     mode = config.mode if lk >= config.dense_below else "dense"
+    packed = _packed_sequences(query, key, attention_mask, kwargs)
+    if packed is not None:
+        return _packed_forward(query, key, value, packed, config, mode, causal, scaling), None
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:  # an additive bias: the naive path takes it as is
             out = ops.dense_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
