@@ -184,7 +184,8 @@ def _packed_sequences(query, key, attention_mask, kwargs):
     flash_attention_2 reads it: the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` it is given
     (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or, for one packed row without
     a mask, the starts of ``position_ids`` (a 0 after the first token starts a sequence; read once
-    per position_ids tensor, one synchronisation); None for an ordinary batch."""
+    per position_ids tensor, one synchronisation; not under torch.compile); None for an ordinary
+    batch."""
     b, lq, lk = query.shape[0], query.shape[2], key.shape[2]
     cu_q = kwargs.get("cu_seq_lens_q")
     if cu_q is not None:
@@ -198,6 +199,8 @@ def _packed_sequences(query, key, attention_mask, kwargs):
         )
     pos = kwargs.get("position_ids")
     if attention_mask is not None or pos is None or b != 1 or lq != lk or pos.shape != (1, lq) or lq < 2:
+        return None
+    if torch.compiler.is_compiling():  # the starts are read on the host: traced models take cu_seq_lens only
         return None
 
     def starts(p):
