@@ -154,9 +154,9 @@ def run_flash_into(query, key, value, bounds, scale, causal: bool, left: int, ri
 def document_route(query, key, value, bounds, cuda: bool | None = None) -> bool:
     """Whether flash_attention_varlen runs the batch as one block-sparse call over its document
     mask rather than one flash call per run of equal-length sequences: on a GPU (not while a CUDA
-    graph is captured or torch.compile traces: the mask's offsets are copied from the host), for two runs or more that
-    are short, where each call's start-up, tail and host work cost more than the mask's partial
-    blocks (DOCUMENT_ROUTE_TOKENS, more with a gradient to track)."""
+    graph is captured or torch.compile traces: the mask's offsets are copied from the host), for
+    two runs or more that are short, where each call's start-up, tail and host work cost more than
+    the mask's partial blocks (DOCUMENT_ROUTE_TOKENS, more with a gradient to track)."""
     if not (query.is_cuda if cuda is None else cuda) or torch.compiler.is_compiling():
         return False
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
