@@ -179,6 +179,12 @@ def _layer_pattern(config: LayerConfig) -> patterns.Pattern:
     return _pattern(config.pattern, config.pattern_args or {})
 
 
+def _window(config: LayerConfig, causal: bool) -> tuple[int, int]:
+    """Mode sliding_window's (left, right) window: the ``window`` most recent keys, itself included;
+    a bidirectional layer sees the window on both sides."""
+    return config.window - 1, 0 if causal else config.window - 1
+
+
 def _packed_sequences(query, key, attention_mask, kwargs):
     """(cu_seqlens_q, cu_seqlens_k, max_q, max_k) of a padding-free (packed) batch, as transformers'
     flash_attention_2 reads it: the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` it is given
@@ -191,9 +197,12 @@ def _packed_sequences(query, key, attention_mask, kwargs):
     if cu_q is not None:
         cu_k = kwargs.get("cu_seq_lens_k")
         cu_k = cu_q if cu_k is None else cu_k
+        # On the host once per forward (every layer gets the same tensors): the varlen ops read
+        # them there, and a CPU copy spares each layer a synchronisation.
+        host = lambda t: _per_mask(t, "host", lambda x: x.to("cpu", torch.int32))  # noqa: E731
         return (
-            cu_q.to(torch.int32),
-            cu_k.to(torch.int32),
+            host(cu_q),
+            host(cu_k),
             int(kwargs.get("max_length_q") or b * lq),
             int(kwargs.get("max_length_k") or b * lk),
         )
@@ -225,8 +234,7 @@ def _packed_forward(query, key, value, packed, config: LayerConfig, mode: str, c
     if mode == "dense":
         out = ops.flash_attention_varlen(*args, causal=causal, scale=scaling)
     elif mode == "sliding_window" and not config.sinks:
-        right = 0 if causal else config.window - 1
-        out = ops.flash_attention_varlen(*args, window=(config.window - 1, right), scale=scaling)
+        out = ops.flash_attention_varlen(*args, window=_window(config, causal), scale=scaling)
     elif mode in ("sliding_window", "pattern"):
         pattern = _layer_pattern(config)
         out = ops.block_sparse_attention_varlen(
@@ -289,9 +297,8 @@ def attention_forward(
         out = ops.flash_attention(query, key, value, causal=causal, scale=scaling)
     elif mode == "sliding_window" and config.sinks:
         out = ops.block_sparse_attention(query, key, value, _layer_pattern(config), causal=causal, scale=scaling)
-    elif mode == "sliding_window":  # a bidirectional layer sees the window on both sides
-        right = 0 if causal else config.window - 1
-        out = ops.flash_attention(query, key, value, window=(config.window - 1, right), scale=scaling)
+    elif mode == "sliding_window":
+        out = ops.flash_attention(query, key, value, window=_window(config, causal), scale=scaling)
     elif mode == "pattern":
         out = ops.block_sparse_attention(query, key, value, _layer_pattern(config), causal=causal, scale=scaling)
     elif mode == "topk":
