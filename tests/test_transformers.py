@@ -281,13 +281,17 @@ def _packed_batch(lens, seed=3):
 @pytest.mark.parametrize("given", ["cu_seq_lens", "position_ids"])
 @pytest.mark.parametrize("mode", [{}, {"mode": "sliding_window", "window": 8}, {"mode": "topk", "k": 6}])
 @torch.no_grad()
-def test_packed_sequences_run_each_sequence_alone(given, mode):
+def test_packed_sequences_run_each_sequence_alone(given, mode, device):
     # A padding-free batch (flash_attention_2's packing): each sequence attends only to itself,
     # whether the cu_seq_lens kwargs are given or only the position_ids restart; the packed logits
-    # equal each sequence run alone (the SDPA model's too, in dense mode).
+    # equal each sequence run alone (the SDPA model's too, in dense mode). On a GPU the packed
+    # dense layers take flash_attention_varlen's document route (four sequences, one launch).
     ours, ref = _pair()
+    ours, ref = ours.to(device), ref.to(device)
     sa_hf.configure(ours, **mode)
     seqs, batch = _packed_batch([11, 1, 30, 7])
+    seqs = [s.to(device) for s in seqs]
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     kw = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
     if given == "cu_seq_lens":
         kw.update({k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")})
@@ -298,12 +302,14 @@ def test_packed_sequences_run_each_sequence_alone(given, mode):
         torch.testing.assert_close(packed, torch.cat([ref(s).logits[0] for s in seqs]), atol=2e-5, rtol=2e-5)
 
 
-def test_packed_training_step_equals_each_sequence_alone():
+def test_packed_training_step_equals_each_sequence_alone(device):
     # A padding-free training step: the loss and gradients of the packed row equal those of the
     # sequences run one by one (their tokens' losses summed the same way).
     ours, _ = _pair()
-    ours.train()
+    ours.to(device).train()
     seqs, batch = _packed_batch([9, 25, 14])
+    seqs = [s.to(device) for s in seqs]
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     out = ours(**{k: v for k, v in batch.items() if k != "labels"}).logits[0]
     labels = batch["labels"][0]
     loss = torch.nn.functional.cross_entropy(out[:-1], labels[1:], ignore_index=-100, reduction="sum")
