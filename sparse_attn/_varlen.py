@@ -168,19 +168,25 @@ def document_route(query, key, value, bounds, cuda: bool | None = None) -> bool:
     return query.shape[0] < per_run * len(runs)
 
 
-def document_mask_bounds(bounds, total_q: int, total_k: int, left: int, right: int, block=(128, 128)):
-    """(max_kb, partial_offsets (nQb + 1,) int64, weights (nQb,)) of ``_document_mask`` for these
-    sequences, from the host's bounds in O(B + nQb): per query block, its key-block range from its
-    first row's lowest and last row's highest visible key (both ends are non-decreasing in the row,
-    csrc/include/sparse_attn/document_mask.h), and the partial rows it may need: the whole range
-    where it spans sequences (or has rows that see nothing), else at most the blocks its rows'
-    band edges cross, 2 * ((q_block - 1) // kv_block + 2)."""
+def packed_offsets(bounds, total_q: int, total_k: int):
+    """The sequences' query and key offsets (cu_seqlens, B + 1 each) as int64 arrays."""
+    cq = np.array([b[0] for b in bounds] + [total_q], dtype=np.int64)
+    ck = np.array([b[2] for b in bounds] + [total_k], dtype=np.int64)
+    return cq, ck
+
+
+def document_mask_bounds(cq, ck, left: int, right: int, block=(128, 128)):
+    """(max_kb, partial_offsets (nQb + 1,) int64, weights (nQb,)) of ``_document_mask`` for the
+    sequences of offsets cq, ck (``packed_offsets``), in O(B + nQb): per query block, its key-block
+    range from its first row's lowest and last row's highest visible key (both ends are
+    non-decreasing in the row, csrc/include/sparse_attn/document_mask.h), and the partial rows it
+    may need: the whole range where it spans sequences (or has rows that see nothing), else at most
+    the blocks its rows' band edges cross, 2 * ((q_block - 1) // kv_block + 2)."""
     qb_size, kvb = block
+    total_q, total_k = int(cq[-1]), int(ck[-1])
     nqb, nkb = -(-total_q // qb_size), -(-total_k // kvb)
     if nqb == 0 or nkb == 0:
         return 0, np.zeros(nqb + 1, dtype=np.int64), np.zeros(nqb, dtype=np.int64)
-    cq = np.array([b[0] for b in bounds] + [total_q], dtype=np.int64)
-    ck = np.array([b[2] for b in bounds] + [total_k], dtype=np.int64)
     r0 = np.arange(nqb, dtype=np.int64) * qb_size
     r1 = np.minimum(r0 + qb_size, total_q) - 1
     d0 = np.searchsorted(cq, r0, side="right") - 1
@@ -211,12 +217,11 @@ def document_mask(bounds, total_q: int, total_k: int, left: int, right: int, dev
     (-1, 0)), built on ``device`` by ``sparse_attn::_document_mask`` from one host-to-device copy
     of the offsets, the partial-row bounds and the CTA schedule (from pinned memory: the host does
     not wait for the GPU)."""
-    max_kb, offsets, weights = document_mask_bounds(bounds, total_q, total_k, left, right, block)
+    cq, ck = packed_offsets(bounds, total_q, total_k)
+    max_kb, offsets, weights = document_mask_bounds(cq, ck, left, right, block)
     n = len(bounds)
     order = cta_schedule(weights) if weights.size else np.zeros(1, dtype=np.int32)
-    head = np.concatenate([[b[0] for b in bounds], [total_q], [b[2] for b in bounds], [total_k], order]).astype(
-        np.int32
-    )
+    head = np.concatenate([cq, ck, order]).astype(np.int32)
     head = np.concatenate([head, np.zeros(len(head) % 2, dtype=np.int32)])  # offsets 8-byte aligned
     buf = torch.from_numpy(np.concatenate([head, offsets.view(np.int32)]))
     if torch.device(device).type == "cuda":  # staged in pinned memory: the copy does not wait for the GPU

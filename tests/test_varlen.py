@@ -292,7 +292,7 @@ def test_document_mask_op(device):
     cu = torch.tensor([0, 100, 130, 300], dtype=torch.int32, device=device)
     q = torch.zeros(300, 1, 8)
     bounds = _varlen.check(q, q, q, cu.cpu(), cu.cpu(), 300, 300)
-    max_kb, offsets, _ = _varlen.document_mask_bounds(bounds, 300, 300, -1, 0)
+    max_kb, offsets, _ = _varlen.document_mask_bounds(*_varlen.packed_offsets(bounds, 300, 300), -1, 0)
     offsets = torch.from_numpy(offsets).to(device)
     args = (cu, cu, offsets, int(offsets[-1]), 300, 300, 128, 128, -1, 0, max_kb)
     op = torch.ops.sparse_attn._document_mask.default
