@@ -128,7 +128,8 @@ def decode_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
         "decode: one graph replay per call; TB/s = K+V bytes read / time; frac = of the copy bandwidth;",
         "bound ms = one graph launch (a tiny kernel's replay, same run) + K+V bytes at the copy bandwidth; of bound = "
         "bound / ours",
-        f"(one graph launch: {launch * 1e3:.1f} us)",
+        f"(one graph launch: {launch * 1e3:.1f} us); splits: pieces per (batch, K/V head), 'b' where the plan "
+        "balances them over fewer CTAs (the walk)",
         f"{'B':>3} {'L':>7} {'Lq':>3} {'splits':>6} {'ours ms':>8} {'TB/s':>6} {'frac':>5} {'bound ms':>8} "
         f"{'of bound':>8} {'cudnn TB/s':>10} {'flash TB/s':>10} {'vs cudnn':>8} {'vs flash':>8}",
     ]
@@ -142,7 +143,9 @@ def decode_table(args, copy_bw: float, rows: list[dict]) -> list[str]:
 def decode_row(args, copy_bw, launch, rows, backends, b, length, lq) -> str:
     q, kc, vc, lens = inputs(b, length, lq)
     plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q, kc, vc, lens)
-    splits = plan.launches[0].options.get("num_splits", 0)
+    options = plan.launches[0].options
+    splits = options.get("num_splits", 0)
+    split_text = f"{splits}{'b' if options.get('balanced') else ''}"
     t_ours = time_graph(decode(q, kc, vc, lens))
     for n in args.splits or ():
         with sparse_attn._plan.overrides(decode_splits=n):
@@ -159,6 +162,7 @@ def decode_row(args, copy_bw, launch, rows, backends, b, length, lq) -> str:
             length=length,
             lq=lq,
             splits=splits,
+            ctas=options.get("ctas", 0),
             ours_ms=t_ours,
             ours_tbs=bw[0],
             frac_copy=bw[0] / copy_bw,
@@ -171,7 +175,7 @@ def decode_row(args, copy_bw, launch, rows, backends, b, length, lq) -> str:
         )
     )
     return (
-        f"{b:>3} {length:>7} {lq:>3} {splits:>6} {t_ours:>8.4f} {bw[0]:>6.2f} {bw[0] / copy_bw:>5.2f} "
+        f"{b:>3} {length:>7} {lq:>3} {split_text:>6} {t_ours:>8.4f} {bw[0]:>6.2f} {bw[0] / copy_bw:>5.2f} "
         f"{t_bound:>8.4f} {t_bound / t_ours:>8.2f} {bw[1]:>10.2f} {bw[2]:>10.2f} {t_cudnn / t_ours:>8.2f} "
         f"{t_flash / t_ours:>8.2f}"
     )
@@ -493,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
             for lq in (1, 16)
             if b * length <= 64 * 32768
         ]
+        # Batches whose (batch, K/V head) pairs fill the SMs unevenly: 72 pairs (the balanced walk,
+        # one CTA per SM), 96 (one CTA per pair), 192 (the walk, two CTAs per SM).
+        args.shapes += [(9, 32768, 1), (12, 8192, 1), (24, 32768, 1)]
         args.paged_shapes, args.pages = [(1, 32768), (8, 32768)], [1, 16, 64, 256]
         args.sparse_shapes, args.keep = [(1, 131072), (8, 131072)], [0.05, 0.1, 0.25]
         args.topk_blocks = [51, 102]

@@ -506,15 +506,22 @@ def _explain_kvcache(a, tgt) -> Plan:
         why = "composite path: the cache gathered per sequence, then dense_attention's kernel with the element mask"
         return Plan("attention_with_kvcache", "composite", why, (launch,))
     splits = launch.options["num_splits"]
-    why = (
-        "split-KV decode: each (batch, K/V head) pair's keys split over several CTAs, merged by their LSEs"
-        if splits > 1
-        else "decode: one CTA per (batch, K/V head, row chunk) reads its share of the cache once"
-    )
+    if launch.options.get("balanced"):
+        route = "decode_balanced"
+        why = (
+            "balanced split-KV decode: each CTA an equal run of the (batch, K/V head) pairs' key pieces, "
+            "across pairs, so every SM streams the same bytes; pieces merged by their LSEs"
+        )
+    elif splits > 1:
+        route = "decode_split_kv"
+        why = "split-KV decode: each (batch, K/V head) pair's keys split over several CTAs, merged by their LSEs"
+    else:
+        route = "decode"
+        why = "decode: one CTA per (batch, K/V head, row chunk) reads its share of the cache once"
     launches = (launch,)
     if splits > 1:
         launches += (Launch("decode_combine", "cuda_cores", why=("merges the splits' O and LSE in fp32",)),)
-    return Plan("attention_with_kvcache", "decode_split_kv" if splits > 1 else "decode", why, launches)
+    return Plan("attention_with_kvcache", route, why, launches)
 
 
 # sparse_attn.distributed's ops (explained there: the schedule on this rank of the process group).
@@ -608,6 +615,7 @@ _DEFAULTS = {
     "merge_boundary": None,
     "select_workspace_bytes": 0,
     "decode_splits": 0,
+    "decode_ctas": 0,
     "select_filter_stride": 0,
     "bwd_head_splits": 0,
     "topk_attention_route": None,
@@ -628,6 +636,7 @@ def _apply(options: dict) -> None:
         int(options["decode_splits"]),
         int(options["select_filter_stride"]),
         int(options["bwd_head_splits"]),
+        int(options["decode_ctas"]),
     )
 
 
@@ -642,7 +651,9 @@ def overrides(**changes):
     - ``per_tile_grid=True``: the Hopper core with one CTA per tile instead of persistent CTAs;
     - ``merge_boundary=True/False``: the Hopper core's merged tile boundary on or off;
     - ``select_workspace_bytes=n``: top-k selection's score workspace;
-    - ``decode_splits=n``: attention_with_kvcache's split-KV count (at most its key tiles).
+    - ``decode_splits=n``: attention_with_kvcache's split-KV count (at most its key tiles);
+    - ``decode_ctas=n``: attention_with_kvcache's grid of n CTAs, each an equal run of the
+      (unit, split) pieces (at most one CTA per piece);
     - ``select_filter_stride=n``: top-k selection filtered on chip with a sample of every n-th
       key tile (where the kernels can take it), ``-1``: never filtered (the scores then go
       through the workspace).

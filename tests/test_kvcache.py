@@ -171,8 +171,11 @@ def test_empty_cache_rows_see_nothing(device):
 
 
 def test_sparse_decode_mask(device):
-    b, h, hkv, lq, d, cap = 2, 4, 2, 1, 64, 512
-    cache = Cache(b, hkv, d, d, (300, 450), cap, page_size=64, dtype=torch.bfloat16, device=device)
+    sparse_decode_case(device)
+
+
+def sparse_decode_case(device, *, b=2, h=4, hkv=2, lq=1, d=64, cap=512):
+    cache = Cache(b, hkv, d, d, (300, 450, 0, 500)[:b], cap, page_size=64, dtype=torch.bfloat16, device=device)
     g = torch.Generator().manual_seed(3)
     sel = torch.rand(b, hkv, 1, cap // 64, generator=g) < 0.4
     sel[..., 0] = True  # the first block (attention sinks) always
@@ -304,6 +307,30 @@ def test_cuda_split_merges(splits, b, hkv, h, lq, d):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("splits,ctas", [(1, 3), (2, 7), (4, 5), (7, 13), (16, 17), (33, 40)])
+@pytest.mark.parametrize("b,hkv,h,lq,d", [(3, 2, 8, 1, 128), (2, 2, 32, 8, 64), (1, 2, 4, 4, 256)])
+def test_cuda_balanced_walk(splits, ctas, b, hkv, h, lq, d):
+    # A grid smaller than its (unit, split) pieces: each CTA an equal run of consecutive pieces,
+    # ending one unit's keys and starting the next's (with one split: several whole units per CTA,
+    # each written straight to the output); units of two row chunks (32 heads on 2, 8 tokens);
+    # sequences of unequal lengths and an empty one, windows, pages, a block mask.
+    lens = (2900, 0, 1500)[:b] if b > 1 else (2900,)
+    with sparse_attn._plan.overrides(decode_splits=splits, decode_ctas=ctas):
+        q = torch.zeros(b, h, lq, d, dtype=torch.bfloat16, device="cuda")
+        kc = torch.zeros(b, hkv, 3072, d, dtype=torch.bfloat16, device="cuda")
+        lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        launch = sparse_attn.explain(sparse_attn.attention_with_kvcache, q, kc, kc, lens_t).launches[0]
+        rows = h // hkv * lq
+        chunk = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+        pieces = b * hkv * -(-rows // chunk) * splits
+        assert launch.options["num_splits"] == splits and launch.options["ctas"] == min(ctas, pieces), str(launch)
+        run_case("cuda", b=b, h=h, hkv=hkv, lq=lq, d=d, seqlens=lens, cap=3072, page_size=64, window=(40, 0))
+        run_case("cuda", b=b, h=h, hkv=hkv, lq=lq, d=d, seqlens=lens, cap=3072)
+        run_case("cuda", b=b, h=h, hkv=hkv, lq=lq, d=d, seqlens=lens, cap=3072, causal=False, append=False)
+        sparse_decode_case("cuda", b=b, h=h, hkv=hkv, lq=lq, d=d, cap=3072)
+
+
+@pytest.mark.cuda
 def test_cuda_kernel_is_planned():
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     kc = torch.zeros(1, 8, 32768, 128, device="cuda", dtype=torch.bfloat16)
@@ -403,6 +430,17 @@ def test_explain_cpu():
         full = torch.full((b,), 2048, dtype=torch.int32)
         plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q16, cache, cache, full, target="sm90")
         assert (plan.launches[0].options["num_splits"] == 1) == (b == 16), (b, str(plan))
+    # 192 pairs: 60 of the 132 SMs would hold two CTAs and end last, so 264 CTAs share the pairs'
+    # pieces evenly (11 per pair, 8 per CTA); 256 pairs load the SMs about evenly: one CTA each.
+    for b, route, ctas in ((24, "decode_balanced", 264), (32, "decode", 256)):
+        qb = torch.zeros(b, 32, 1, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(b, 8, 8192, 128, dtype=torch.bfloat16)
+        full = torch.full((b,), 8192, dtype=torch.int32)
+        plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, qb, cache, cache, full, target="sm90")
+        o = plan.launches[0].options
+        assert plan.route == route and o["ctas"] == ctas, (b, str(plan))
+        assert o["num_splits"] == (11 if b == 24 else 1) and o["balanced"] == (b == 24), (b, str(plan))
+        assert [launch.kernel for launch in plan.launches][1:] == (["decode_combine"] if b == 24 else []), str(plan)
 
 
 def test_kvcache_topk_mask(device):

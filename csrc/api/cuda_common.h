@@ -22,13 +22,23 @@ inline DeviceInfo cuda_device_info(int device) {
   static std::array<std::once_flag, 64> once;
   TORCH_CHECK(device >= 0 && device < 64, "CUDA device index out of range: ", device);
   std::call_once(once[device], [&] {
-    int major = 0, minor = 0, sms = 0;
-    check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-    check_launch(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
-    check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    int major = 0, minor = 0, sms = 0, mem_khz = 0, bus_bits = 0;
+    check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                 "cudaDeviceGetAttribute");
+    check_launch(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+                 "cudaDeviceGetAttribute");
+    check_launch(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+                 "cudaDeviceGetAttribute");
+    // Peak DRAM bandwidth (double data rate); a device that does not report it leaves 0.
+    if (cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      mem_khz = bus_bits = 0;
+    }
     DeviceInfo& info = cache[device];
     info.cc = major * 10 + minor;
     info.sms = sms;
+    info.dram_gbps = 2.0 * mem_khz * 1e3 * (bus_bits / 8) / 1e9;
     info.sm90_kernels = sm90_kernels_built();
     info.tma = tma_encoder_available();
   });

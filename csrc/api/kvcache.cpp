@@ -176,7 +176,9 @@ DecodeParams set_params_decode(const KvCacheShape& s, const at::Tensor& query, c
   p.window_left = int(std::min<int64_t>(window_left, kInt32Max));
   p.window_right = int(std::min<int64_t>(window_right, kInt32Max));
   p.num_splits = 1;
+  p.num_ctas = 1;
   p.row_chunks = 1;
+  p.chunk_rows = 16;
   if (kv_num_blocks.has_value()) {
     p.kv_num_blocks = kv_num_blocks->data_ptr<int32_t>();
     p.kv_indices = kv_indices->data_ptr<int32_t>();
@@ -261,9 +263,11 @@ std::string explain_kvcache(const at::Tensor& query, const at::Tensor& key_cache
   }
   out << "core=portable\nhead_dim=" << plan.head_dim << "\nrow_tiles=" << plan.row_tiles
       << "\nrow_chunks=" << plan.row_chunks << "\nnum_splits=" << plan.num_splits
-      << "\nctas=" << s.b * s.h_kv * plan.row_chunks * plan.num_splits << "\nctas_per_sm=" << plan.ctas_per_sm
-      << "\ndependent_launch=" << int(plan.dependent_launch) << "\nkey_tiles=" << plan.est_key_tiles
-      << "\nappend=" << int(key.has_value()) << "\npaged=" << int(s.paged) << "\nwhy_core=" << plan.why;
+      << "\nctas=" << plan.num_ctas
+      << "\nbalanced=" << int(plan.num_ctas < s.b * s.h_kv * plan.row_chunks * plan.num_splits)
+      << "\nctas_per_sm=" << plan.ctas_per_sm << "\ndependent_launch=" << int(plan.dependent_launch)
+      << "\nkey_tiles=" << plan.est_key_tiles << "\nappend=" << int(key.has_value())
+      << "\npaged=" << int(s.paged) << "\nwhy_core=" << plan.why;
   return out.str();
 }
 

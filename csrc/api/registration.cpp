@@ -270,10 +270,10 @@ TORCH_LIBRARY(sparse_attn, m) {
   m.def(
       "_set_plan_options(bool portable_only=False, int block_m=0, int block_n=0, bool per_tile_grid=False, "
       "int merge_boundary=-1, int select_workspace_bytes=0, int decode_splits=0, int select_filter_stride=0, "
-      "int bwd_head_splits=0) -> ()",
+      "int bwd_head_splits=0, int decode_ctas=0) -> ()",
       [](bool portable_only, int64_t block_m, int64_t block_n, bool per_tile_grid, int64_t merge_boundary,
          int64_t select_workspace_bytes, int64_t decode_splits, int64_t select_filter_stride,
-         int64_t bwd_head_splits) {
+         int64_t bwd_head_splits, int64_t decode_ctas) {
         sparse_attn::PlanOptions& o = sparse_attn::plan_options();
         o.portable_only = portable_only;
         o.block_m = int(block_m);
@@ -284,6 +284,7 @@ TORCH_LIBRARY(sparse_attn, m) {
         o.decode_splits = int(decode_splits);
         o.select_filter_stride = int(select_filter_stride);
         o.bwd_head_splits = int(bwd_head_splits);
+        o.decode_ctas = int(decode_ctas);
       });
 }
 

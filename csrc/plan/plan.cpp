@@ -587,6 +587,11 @@ int select_score_splits(const SelectPlan& plan, int64_t n) {
                                  std::max(plan.key_tiles, 1)));
 }
 
+// What one SM's decode CTA streams from DRAM, GB/s (H100 SXM, 1.98 GHz: 72 units of 8k-32k keys,
+// one CTA each, 39.5-41.7 GB/s per CTA; 38 puts 80 units, where the walk gained 0.4-2.4 %, below
+// the DRAM-saturating count and 88, where it lost up to 2.6 %, above it).
+constexpr double kDecodeSmGbps = 38.0;
+
 DecodePlan plan_decode(const DecodeParams& p, const DeviceInfo& dev, const PlanOptions& options) {
   DecodePlan plan;
   if (dev.cc < 80) {
@@ -636,15 +641,52 @@ DecodePlan plan_decode(const DecodeParams& p, const DeviceInfo& dev, const PlanO
   const int64_t slots = int64_t(dev.sms) * (scattered ? plan.ctas_per_sm : 1);
   int64_t splits = units >= dev.sms ? 1 : std::max<int64_t>(slots / std::max<int64_t>(units, 1), 1);
   splits = std::min<int64_t>({splits, plan.est_key_tiles / 4, cache_bytes / (chunk_rows * p.dv * 8), 64});
-  if (options.decode_splits > 0) splits = std::min<int64_t>({options.decode_splits, plan.est_key_tiles, 128});
+  if (options.decode_splits > 0)
+    splits = std::min<int64_t>({options.decode_splits, plan.est_key_tiles, kDecodeMaxSplits});
   plan.num_splits = int(std::max<int64_t>(splits, 1));
+  plan.num_ctas = units * plan.num_splits;
+  // Balanced split-KV (decode_fwd_kernel's walk): G CTAs, each an equal run of the units' pieces,
+  // where one CTA per piece leaves the SMs unevenly loaded. (a) Fewer CTAs than the SMs that
+  // saturate DRAM (an SM streams ~38-40 GB/s): the grid is one CTA per SM (H100, 72 units: 8k /
+  // 32k keys 1.004 / 1.025x, paged 1.13-1.15x). (b) Between 1 and 1.75 CTAs per SM: the SMs
+  // holding two CTAs end last; two per SM, equal (144-192 units 1.025-1.12x). Elsewhere the
+  // walk's costs (a pipeline refilled per unit it enters, the combine: ~8 us at 128 units, 8k
+  // keys) outweigh it (96-128 and 256 units: 0.97-0.99x).
+  // Only where reads do not scatter; with S = G / gcd(units, G) pieces per unit every CTA gets the
+  // same number of pieces, each at least a key tile, each CTA at least 16 key tiles, and the
+  // partials' buffer (S per row) at most an eighth of the cache's bytes.
+  const bool walk_allowed = !scattered && options.decode_splits == 0 && options.decode_ctas == 0;
+  const int64_t plain_ctas = plan.num_ctas;
+  int64_t walk_ctas = 0;
+  if (walk_allowed && plain_ctas < dev.sms && plain_ctas < 0.92 * dev.dram_gbps / kDecodeSmGbps)
+    walk_ctas = dev.sms;
+  else if (walk_allowed && units > dev.sms && units * 4 <= int64_t(dev.sms) * 7 && plan.ctas_per_sm >= 2)
+    walk_ctas = 2 * int64_t(dev.sms);
+  if (walk_ctas > 0) {
+    const int64_t s_walk = std::min<int64_t>(walk_ctas / std::gcd(units, walk_ctas), plan.est_key_tiles);
+    const int64_t rows_total = int64_t(p.b) * p.h * p.lq;
+    if (s_walk <= kDecodeMaxSplits && units * plan.est_key_tiles >= 16 * walk_ctas &&
+        s_walk * rows_total * p.dv * 4 * 8 <= cache_bytes * units) {
+      plan.num_splits = int(s_walk);
+      plan.num_ctas = std::min<int64_t>(walk_ctas, units * s_walk);
+    }
+  }
+  if (options.decode_ctas > 0) plan.num_ctas = std::min<int64_t>(options.decode_ctas, plan.num_ctas);
   plan.dependent_launch = dev.cc >= 90 && plan.num_splits > 1;
-  plan.why = plan.num_splits > 1
-                 ? "split-KV: (batch, K/V head) pairs leave SMs without a CTA, so each splits "
-                   "its keys (one CTA per SM, two where the reads scatter) and a combine kernel merges the "
-                   "splits' LSEs"
-                 : "one CTA per (batch, K/V head, row chunk): the pairs give every SM a CTA "
-                   "(or the keys are few), no combine";
+  if (plan.num_ctas < units * plan.num_splits)
+    plan.why =
+        "balanced split-KV: one CTA per piece would load the SMs unevenly (or too few of them to "
+        "saturate DRAM), so each of the CTAs takes an equal run of the (batch, K/V head) pairs' "
+        "key pieces, across pairs, and a combine kernel merges the pieces' LSEs";
+  else if (plan.num_splits > 1)
+    plan.why =
+        "split-KV: (batch, K/V head) pairs leave SMs without a CTA, so each splits "
+        "its keys (one CTA per SM, two where the reads scatter) and a combine kernel merges the "
+        "splits' LSEs";
+  else
+    plan.why =
+        "one CTA per (batch, K/V head, row chunk): the pairs give every SM a CTA "
+        "(or the keys are few), no combine";
   return plan;
 }
 

@@ -230,7 +230,9 @@ struct DecodeParams {
   int lk_new;
   int window_left, window_right;
   int num_splits;
+  int num_ctas;    // the decode grid: units * num_splits, or fewer (balanced: each CTA several pieces)
   int row_chunks;  // CTAs per (b, kv head) along the H / Hkv * Lq query rows of a group
+  int chunk_rows;  // query rows of a row chunk (16 * the plan's row tiles)
   // Optional block-sparse selection of cache blocks (sparse decode): per (b, mask head) the key
   // blocks of kv_block tokens to visit, ascending; mask heads are 1 or Hkv (zero strides broadcast).
   const int32_t* __restrict__ kv_num_blocks;  // (Bm, Hm, 1)

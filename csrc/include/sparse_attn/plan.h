@@ -125,6 +125,7 @@ struct DeviceInfo {
   bool sm90_kernels = false;       // this build holds the sm_90a kernels
   bool tma = false;                // the driver can encode TMA descriptors
   bool cpu_bf16_products = false;  // CPU: bf16 matrix instructions (AMX) the CPU kernels use
+  double dram_gbps = 0;            // peak DRAM bandwidth, GB/s, from the memory clock and bus (0: unknown)
 };
 
 // Overrides of the plan's choices, for tests and benchmarks (set through the private op
@@ -137,7 +138,8 @@ struct PlanOptions {
   int64_t select_workspace_bytes = 0;  // top-k selection's score workspace
   int select_filter_stride = 0;        // filtered selection's sample stride (key tiles); -1: never filtered
   int decode_splits = 0;               // attention_with_kvcache's split-KV count (capped at the key tiles)
-  int bwd_head_splits = 0;             // Hopper backward: CTAs per key block's GQA group (a divisor of it)
+  int decode_ctas = 0;      // attention_with_kvcache's grid (capped at units * splits); -1: one CTA per piece
+  int bwd_head_splits = 0;  // Hopper backward: CTAs per key block's GQA group (a divisor of it)
 };
 
 // The process's overrides (one struct, read by every plan; defaults until a test sets them).
@@ -301,6 +303,7 @@ int select_score_splits(const SelectPlan& plan, int64_t n);
 // two CTAs per H100 SM at head dim 128 keep ~190 KiB of loads in flight, far above what the
 // SM's share of HBM bandwidth times latency needs).
 constexpr int kDecodeBlockN = 64;
+constexpr int kDecodeMaxSplits = 128;  // pieces of a unit's keys the combine merges
 constexpr int decode_stages(int head_dim) { return head_dim <= 64 ? 4 : (head_dim <= 128 ? 3 : 2); }
 constexpr int decode_smem_bytes(int head_dim) {
   return decode_stages(head_dim) * 2 * kDecodeBlockN * head_dim * 2;
@@ -312,7 +315,10 @@ struct DecodePlan {
   int row_tiles =
       1;  // m16 query-row tiles per CTA (1, 2, 4); its 4 warps split each key tile 4/row_tiles ways
   int row_chunks = 1;  // CTAs along the H / Hkv * Lq rows of a K/V head
-  int num_splits = 1;  // CTAs along the keys (split-KV); > 1 adds the combine kernel
+  int num_splits = 1;  // pieces of each unit's keys (split-KV); > 1 adds the combine kernel
+  // CTAs of the grid: one per piece (units * num_splits), or fewer, each taking an equal run of
+  // consecutive pieces (balanced split-KV: every SM busy whatever the units' count)
+  int64_t num_ctas = 1;
   int ctas_per_sm = 1;
   bool dependent_launch = false;  // sm_90: the combine launched as a programmatic dependent
   int64_t est_key_tiles = 0;      // kDecodeBlockN-key tiles a sequence may hold (capacity, window or mask)

@@ -8,7 +8,9 @@
 // split each key tile (4, 2 or 1 ways, by how many m16 row tiles there are); each keeps its own
 // online softmax, and the warps' states merge through shared memory at the end. With
 // num_splits > 1 (split-KV) a CTA covers a contiguous share of the sequence's key tiles and
-// writes its normalised O and LSE in fp32; decode_combine_kernel merges the splits.
+// writes its normalised O and LSE in fp32; decode_combine_kernel merges the splits. With fewer
+// CTAs than pieces (balanced split-KV, the plan's choice where one CTA per piece would load the
+// SMs unevenly) each CTA walks an equal run of consecutive pieces, across (batch, K/V head) units.
 //
 // Lengths are read on the device (cache_seqlens), so nothing here waits for the host and one
 // launch replays in a CUDA graph with new lengths and page tables.
@@ -27,7 +29,6 @@
 namespace sparse_attn::cuda {
 
 constexpr int kDecodeCombineThreads = 128;
-constexpr int kDecodeMaxSplits = 128;
 
 template <ScalarKind kDtype_, int kHeadDim_, int kRowTiles_>
 struct DecodeTraits {
@@ -149,25 +150,20 @@ __device__ __forceinline__ void decode_load_tile(const DecodeParams& p, uint32_t
   }
 }
 
+// One segment of a CTA's work: pieces [j0, j1) of unit (b, row chunk, K/V head), i.e. its key
+// entries [n * j0 / S, n * j1 / S) of n (S = num_splits), into the output (S = 1) or into the
+// split partials' slot j0. `last`: the CTA's last segment (it lets the combine be scheduled).
 template <typename Tr>
-__global__ void __launch_bounds__(Tr::kNThreads) decode_fwd_kernel(__grid_constant__ const DecodeParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void decode_segment(const DecodeParams& p, char* smem, int b, int hkv, int chunk,
+                                               int j0, int j1, bool last) {
   using Element = typename Tr::Element;
   constexpr int kChunks = Tr::kChunks, kNTiles = Tr::kNTiles, kDTiles = Tr::kDTiles, kStages = Tr::kStages;
   constexpr uint32_t kRow16 = 16 * kChunks * 16;  // bytes of 16 shared-memory rows
-  extern __shared__ __align__(128) char smem[];
   const uint32_t s0 = smem_u32(smem);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int rt = warp % Tr::kRowTiles, kg = warp / Tr::kRowTiles;
-  // CTA order: K/V head fastest, then split, row chunk, batch. The heads of one token share its
-  // cache rows' neighbourhood in a paged cache ((page, slot, head, D): a head's row is one
-  // 2 * D-byte piece of every (Hkv * 2 * D)-byte token), so their CTAs run side by side.
-  const int hkv = int(blockIdx.x % unsigned(p.h_kv));
-  const int rest = int(blockIdx.x / unsigned(p.h_kv));
-  const int split = rest % p.num_splits;
-  const int chunk = rest / p.num_splits % p.row_chunks, b = rest / p.num_splits / p.row_chunks;
   const int rows = p.h_per_kv * p.lq;  // query rows of the group: head-major, then token
 
   // Q of the chunk's rows into the last stage's slot (the loop first overwrites it at it = 0).
@@ -186,8 +182,8 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_fwd_kernel(__grid_consta
   // The lengths (and the mask's list) after Q's copy is under way: their reads start the chain of
   // dependent loads before the first K/V copy, so nothing else waits behind them.
   const DecodeSeq seq = decode_seq(p, b, hkv);
-  const int e_begin = int(int64_t(seq.n_entries) * split / p.num_splits);
-  const int n_it = int(int64_t(seq.n_entries) * (split + 1) / p.num_splits) - e_begin;
+  const int e_begin = int(int64_t(seq.n_entries) * j0 / p.num_splits);
+  const int n_it = int(int64_t(seq.n_entries) * j1 / p.num_splits) - e_begin;
   int page = -1;
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
@@ -293,7 +289,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_fwd_kernel(__grid_consta
 #if __CUDA_ARCH__ >= 900
   // The streaming is done: the combine kernel (a programmatic dependent launch, when split) may be
   // scheduled now; it waits for this grid's completion before reading anything.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (last) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 
   // Merge the key groups of each row tile (their running max m, sum l and O) into key group 0.
@@ -377,7 +373,7 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_fwd_kernel(__grid_consta
       }
       if (t == 0) p.lse[r] = lse;
     } else {
-      const int64_t pr = int64_t(split) * p.b * p.h * p.lq + r;
+      const int64_t pr = int64_t(j0) * p.b * p.h * p.lq + r;
       float* o = p.o_part + pr * p.dv;
 #pragma unroll
       for (int nd = 0; nd < kDTiles; ++nd) {
@@ -388,6 +384,50 @@ __global__ void __launch_bounds__(Tr::kNThreads) decode_fwd_kernel(__grid_consta
       }
       if (t == 0) p.lse_part[pr] = lse;
     }
+  }
+}
+
+template <typename Tr>
+__device__ __forceinline__ void decode_walk(const DecodeParams& p, char* smem, int64_t pieces) {
+  const int64_t v0 = int64_t(blockIdx.x) * pieces / p.num_ctas;
+  const int64_t v1 = (int64_t(blockIdx.x) + 1) * pieces / p.num_ctas;
+  for (int64_t v = v0; v < v1;) {
+    const int64_t u = v / p.num_splits;
+    const int j0 = int(v - u * p.num_splits);
+    const int j1 = int(v1 - v < p.num_splits - j0 ? j0 + (v1 - v) : p.num_splits);
+    const int hkv = int(u % p.h_kv), chunk = int(u / p.h_kv % p.row_chunks),
+              b = int(u / p.h_kv / p.row_chunks);
+    if (v != v0) {
+      cp_async_wait<0>();
+      __syncthreads();  // the previous segment is done with every stage and the merge area
+    }
+    v += j1 - j0;
+    decode_segment<Tr>(p, smem, b, hkv, chunk, j0, j1, v == v1);
+  }
+}
+
+// Per CTA: pieces [v0, v1) = [c * V / G, (c + 1) * V / G) of the V = units * S pieces (units
+// numbered (batch, row chunk, K/V head), unit u's pieces u * S ... u * S + S - 1), so G = num_ctas
+// CTAs share the work evenly whatever the units' count (balanced split-KV: a CTA may end one
+// unit's keys and start the next's, each segment its own partial slot). With G = V (one piece per
+// CTA) the CTA order is K/V head fastest, then split, row chunk, batch instead: the heads of one
+// token share its cache rows' neighbourhood in a paged cache ((page, slot, head, D): a head's row
+// is one 2 * D-byte piece of every (Hkv * 2 * D)-byte token), so their CTAs run side by side.
+// (kBalanced: the walk; else one piece per CTA, a kernel of its own so that path's code is not
+// shaped by the walk's.)
+template <typename Tr, bool kBalanced>
+__global__ void __launch_bounds__(Tr::kNThreads) decode_fwd_kernel(__grid_constant__ const DecodeParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(128) char smem[];
+  const int64_t pieces = int64_t(p.b) * p.row_chunks * p.h_kv * p.num_splits;
+  if constexpr (!kBalanced) {
+    const int hkv = int(blockIdx.x % unsigned(p.h_kv));
+    const int rest = int(blockIdx.x / unsigned(p.h_kv));
+    const int split = rest % p.num_splits;
+    const int chunk = rest / p.num_splits % p.row_chunks, b = rest / p.num_splits / p.row_chunks;
+    decode_segment<Tr>(p, smem, b, hkv, chunk, split, split + 1, true);
+  } else {
+    decode_walk<Tr>(p, smem, pieces);
   }
 #else
   __trap();  // built for an architecture without bf16 mma.sync: the launcher never gets here
@@ -406,16 +446,31 @@ template <typename Element>
 __global__ void __launch_bounds__(kDecodeCombineThreads)
     decode_combine_kernel(__grid_constant__ const DecodeParams p) {
   __shared__ float weight[kDecodeMaxSplits];
+  __shared__ int slot[kDecodeMaxSplits];
   __shared__ float4 share[kDecodeCombineThreads];
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int64_t row = blockIdx.x;
+  const int64_t split_stride = int64_t(p.b) * p.h * p.lq;
+  // The row's unit and the slots its pieces wrote (decode_fwd_kernel's walk): the CTAs c0 ... c1
+  // that held its pieces [x0, x0 + S), the first from slot 0, each later one from where it began.
+  // (One piece per CTA: slots 0 ... S - 1.)
+  int n_splits;
+  {
+    const int i = int(row % p.lq), hh = int(row / p.lq % p.h), b = int(row / p.lq / p.h);
+    const int r = (hh % p.h_per_kv) * p.lq + i;
+    const int64_t u = (int64_t(b) * p.row_chunks + r / p.chunk_rows) * p.h_kv + hh / p.h_per_kv;
+    const int64_t pieces = int64_t(p.b) * p.row_chunks * p.h_kv * p.num_splits, ctas = p.num_ctas;
+    const int64_t x0 = u * p.num_splits;
+    const int64_t c0 = ((x0 + 1) * ctas - 1) / pieces, c1 = ((x0 + p.num_splits) * ctas - 1) / pieces;
+    n_splits = int(c1 - c0 + 1);
+    if (tid < n_splits) slot[tid] = tid == 0 ? 0 : int((c0 + tid) * pieces / ctas - x0);
+  }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent of the decode kernel (sm_90): resident while it runs,
   // waiting here until its partials are complete.
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-  const int tid = threadIdx.x, lane = tid % 32;
-  const int64_t row = blockIdx.x;
-  const int64_t split_stride = int64_t(p.b) * p.h * p.lq;
-  const int n_splits = p.num_splits;
+  __syncthreads();
   const int cols4 = p.dv / 4, groups = kDecodeCombineThreads / cols4;  // threads per 4-column slice
   const int c = tid % cols4, sg = tid / cols4;
   const float* part = p.o_part + row * p.dv + 4 * c;
@@ -426,8 +481,9 @@ __global__ void __launch_bounds__(kDecodeCombineThreads)
 #pragma unroll
   for (int j = 0; j < kAhead; ++j) {
     const int s = sg + j * groups;
-    ahead[j] = sg < groups && s < n_splits ? *reinterpret_cast<const float4*>(part + s * split_stride * p.dv)
-                                           : make_float4(0.f, 0.f, 0.f, 0.f);
+    ahead[j] = sg < groups && s < n_splits
+                   ? *reinterpret_cast<const float4*>(part + slot[s] * split_stride * p.dv)
+                   : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   if (tid < 32) {
     constexpr int kPerLane = kDecodeMaxSplits / 32;
@@ -436,7 +492,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads)
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int s = j * 32 + lane;
-      lse_s[j] = s < n_splits ? p.lse_part[s * split_stride + row] : -INFINITY;
+      lse_s[j] = s < n_splits ? p.lse_part[slot[s] * split_stride + row] : -INFINITY;
       m = fmaxf(m, lse_s[j]);
     }
     m = warp_max(m);
@@ -466,7 +522,7 @@ __global__ void __launch_bounds__(kDecodeCombineThreads)
     }
 #pragma unroll 8
     for (int s = sg + kAhead * groups; s < n_splits; s += groups) {
-      const float4 v = *reinterpret_cast<const float4*>(part + s * split_stride * p.dv);
+      const float4 v = *reinterpret_cast<const float4*>(part + slot[s] * split_stride * p.dv);
       acc.x += weight[s] * v.x;
       acc.y += weight[s] * v.y;
       acc.z += weight[s] * v.z;
@@ -525,9 +581,10 @@ __global__ void __launch_bounds__(128) decode_append_kernel(__grid_constant__ co
 
 template <typename Tr>
 cudaError_t launch_decode(const DecodeParams& p, const DecodePlan& plan, cudaStream_t stream) {
-  const int64_t grid = int64_t(p.b) * p.h_kv * plan.row_chunks * plan.num_splits;
-  if (grid > INT_MAX) return cudaErrorInvalidConfiguration;
-  auto kernel = decode_fwd_kernel<Tr>;
+  const int64_t pieces = int64_t(p.b) * p.h_kv * plan.row_chunks * plan.num_splits;
+  const int64_t grid = plan.num_ctas;
+  if (grid < 1 || grid > pieces || pieces > INT_MAX) return cudaErrorInvalidConfiguration;
+  auto kernel = grid == pieces ? decode_fwd_kernel<Tr, false> : decode_fwd_kernel<Tr, true>;
   SA_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes));
   kernel<<<unsigned(grid), Tr::kNThreads, Tr::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
@@ -543,7 +600,9 @@ cudaError_t run_decode_fwd_(const DecodeParams& params, const DecodePlan& plan, 
   if (plan.head_dim != kHeadDim) return cudaErrorInvalidValue;
   DecodeParams p = params;
   p.num_splits = plan.num_splits;
+  p.num_ctas = int(plan.num_ctas);
   p.row_chunks = plan.row_chunks;
+  p.chunk_rows = 16 * plan.row_tiles;
   if (p.k_new != nullptr && p.lq > 0) {
     cuda::decode_append_kernel<Element><<<unsigned(p.b * p.lq), 128, 0, stream>>>(p);
     SA_CUDA_TRY(cudaGetLastError());
@@ -563,7 +622,7 @@ cudaError_t run_decode_fwd_(const DecodeParams& params, const DecodePlan& plan, 
       break;
   }
   SA_CUDA_TRY(err);
-  if (p.num_splits > cuda::kDecodeMaxSplits) return cudaErrorInvalidValue;
+  if (p.num_splits > kDecodeMaxSplits) return cudaErrorInvalidValue;
   if (p.num_splits > 1) {
     const int64_t rows = int64_t(p.b) * p.h * p.lq;
     if (rows > INT_MAX || p.dv % 4 != 0 || p.dv / 4 > cuda::kDecodeCombineThreads)
