@@ -50,7 +50,9 @@ def flush_l2() -> None:
 
 def time_graph(fn, reps: int = 40) -> float:
     """Median milliseconds of one replay of fn() captured in a CUDA graph, the L2 flushed before
-    each replay (NaN if it cannot run)."""
+    each replay (NaN if it cannot run). Replays as timed for at least 50 ms first: the first
+    call timed after a large free and allocation (the previous shape's tensors) ran up to 18 %
+    slow for tens of milliseconds, whichever kernel it was (H100, B = 9, 32k after B = 64, 32k)."""
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -63,8 +65,13 @@ def time_graph(fn, reps: int = 40) -> float:
     except RuntimeError as e:  # a backend that refuses the shape
         print(f"    (skipped: {str(e).splitlines()[0][:100]})", file=sys.stderr)
         return float("nan")
-    for _ in range(3):
-        graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < 0.05:
+        for _ in range(5):
+            flush_l2()
+            graph.replay()
+        torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
         flush_l2()
