@@ -430,6 +430,23 @@ def test_explain_cpu():
         full = torch.full((b,), 2048, dtype=torch.int32)
         plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, q16, cache, cache, full, target="sm90")
         assert (plan.launches[0].options["num_splits"] == 1) == (b == 16), (b, str(plan))
+    # 72 / 80 pairs of one CTA each stream below DRAM's rate (an H100 SM: ~38 GB/s, 3.35 TB/s of
+    # DRAM needs ~81 of them): 132 CTAs share their pieces (11 / 33 per pair); 88 pairs do not.
+    for b, route, splits in ((9, "decode_balanced", 11), (10, "decode_balanced", 33), (11, "decode", 1)):
+        qb = torch.zeros(b, 32, 1, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(b, 8, 8192, 128, dtype=torch.bfloat16)
+        full = torch.full((b,), 8192, dtype=torch.int32)
+        plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, qb, cache, cache, full, target="sm90")
+        o = plan.launches[0].options
+        assert plan.route == route and o["num_splits"] == splits, (b, str(plan))
+        assert o["ctas"] == (132 if splits > 1 else 8 * b), (b, str(plan))
+        # The same pairs in pages shorter than a key tile (reads that scatter): no balanced grid.
+        pages = cache.transpose(1, 2).reshape(b * 8192 // 16, 16, 8, 128)
+        table = torch.arange(b * 8192 // 16, dtype=torch.int32).view(b, -1)
+        paged = sparse_attn.explain(
+            sparse_attn.attention_with_kvcache, qb, pages, pages, full, block_table=table, target="sm90"
+        )
+        assert paged.route != "decode_balanced", (b, str(paged))
     # 192 pairs: 60 of the 132 SMs would hold two CTAs and end last, so 264 CTAs share the pairs'
     # pieces evenly (11 per pair, 8 per CTA); 256 pairs load the SMs about evenly: one CTA each.
     for b, route, ctas in ((24, "decode_balanced", 264), (32, "decode", 256)):

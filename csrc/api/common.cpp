@@ -637,6 +637,10 @@ DeviceInfo planned_device(const at::Tensor& like, int64_t target_cc, int64_t tar
     device.sms = int(target_sms);
     device.sm90_kernels = true;
     device.tma = true;
+    // explain's targets are an H100 SXM (sm90) and an A100 SXM 80 GB (sm80): their peak DRAM
+    // bandwidth, as the device query reports it (memory clock x bus width x 2), for the plans
+    // that read it (plan_decode's balanced grid).
+    device.dram_gbps = target_cc >= 90 ? 3352.3 : 2039.0;
     return device;
   }
   if (!like.is_cuda()) {
