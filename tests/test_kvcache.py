@@ -447,6 +447,11 @@ def test_explain_cpu():
             sparse_attn.attention_with_kvcache, qb, pages, pages, full, block_table=table, target="sm90"
         )
         assert paged.route != "decode_balanced", (b, str(paged))
+        # Eight new tokens per sequence (32 query rows per K/V head, two row tiles): not measured
+        # with the balanced grid, so one CTA per pair.
+        q8 = torch.zeros(b, 32, 8, 128, dtype=torch.bfloat16)
+        multi = sparse_attn.explain(sparse_attn.attention_with_kvcache, q8, cache, cache, full, target="sm90")
+        assert multi.route != "decode_balanced", (b, str(multi))
     # 192 pairs: 60 of the 132 SMs would hold two CTAs and end last, so 264 CTAs share the pairs'
     # pieces evenly (11 per pair, 8 per CTA); 256 pairs load the SMs about evenly: one CTA each.
     for b, route, ctas in ((24, "decode_balanced", 264), (32, "decode", 256)):

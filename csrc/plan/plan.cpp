@@ -652,10 +652,13 @@ DecodePlan plan_decode(const DecodeParams& p, const DeviceInfo& dev, const PlanO
   // holding two CTAs end last; two per SM, equal (144-192 units 1.025-1.12x). Elsewhere the
   // walk's costs (a pipeline refilled per unit it enters, the combine: ~8 us at 128 units, 8k
   // keys) outweigh it (96-128 and 256 units: 0.97-0.99x).
-  // Only where reads do not scatter; with S = G / gcd(units, G) pieces per unit every CTA gets the
-  // same number of pieces, each at least a key tile, each CTA at least 16 key tiles, and the
-  // partials' buffer (S per row) at most an eighth of the cache's bytes.
-  const bool walk_allowed = !scattered && options.decode_splits == 0 && options.decode_ctas == 0;
+  // Only where reads do not scatter and a unit has one row tile (at most 16 query rows: the
+  // measured case; several new tokens per sequence were not measured with the walk); with
+  // S = G / gcd(units, G) pieces per unit every CTA gets the same number of pieces, each at least
+  // a key tile, each CTA at least 16 key tiles, and the partials' buffer (S per row) at most an
+  // eighth of the cache's bytes.
+  const bool walk_allowed =
+      !scattered && plan.row_tiles == 1 && options.decode_splits == 0 && options.decode_ctas == 0;
   const int64_t plain_ctas = plan.num_ctas;
   int64_t walk_ctas = 0;
   if (walk_allowed && plain_ctas < dev.sms && plain_ctas < 0.92 * dev.dram_gbps / kDecodeSmGbps)
