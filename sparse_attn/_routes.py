@@ -215,11 +215,35 @@ def user_selection(query, key, indices, k, block_size) -> torch.Tensor:
         )
     if block_size not in (None, 64, 128):
         raise ValueError(f"block_size must be None (tokens), 64 or 128, got {block_size}")
+    if indices.device.type == "cpu" and in_canonical_form(indices):
+        return indices.contiguous()  # what the sort below would return (CPU: the check reads values)
+    return drop_repeats(indices)
+
+
+def drop_repeats(indices: torch.Tensor) -> torch.Tensor:
+    """Each row of a selection ascending, -1 for a repeat or a negative (empty) entry."""
     top = torch.iinfo(torch.int32).max
     rows = torch.where(indices >= 0, indices, top).sort(-1).values
     repeat = torch.zeros_like(rows, dtype=torch.bool)
     repeat[..., 1:] = rows[..., 1:] == rows[..., :-1]
     return torch.where(repeat | (rows == top), -1, rows).contiguous()
+
+
+def in_canonical_form(indices: torch.Tensor) -> bool:
+    """Whether every row is strictly ascending entries followed only by -1s (the selections
+    topk_attention returns), which drop_repeats leaves as they are: a selection reused across
+    calls skips its sort (CPU, L = 1k, k = 128: the check 0.7 ms against the sort's 2.9). The first
+    row is checked alone first, so a selection in another order (torch.topk's, by score) costs
+    next to nothing more. Reads the values, so a CUDA selection would wait for the device:
+    callers check CPU tensors only."""
+    if indices.numel() == 0:
+        return True
+
+    def canonical(x):
+        x0, x1 = x[..., :-1], x[..., 1:]
+        return bool(torch.all((x1 == -1) | ((x1 > x0) & (x0 >= 0)))) and bool(torch.all(x[..., 0] >= -1))
+
+    return canonical(indices.reshape(-1, indices.shape[-1])[:1]) and canonical(indices)
 
 
 def selection_tokens(query, key, entries, block_size, causal: bool) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from utils import check_attention, check_close, make_qkv
 
 import sparse_attn
-from sparse_attn import BlockSparseMask, patterns, reference
+from sparse_attn import BlockSparseMask, _routes, patterns, reference
 from sparse_attn._plan import overrides
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -662,6 +662,39 @@ def test_user_selection_gradients(device, route):
     want = torch.autograd.grad(ref, gold, dout.double())
     for a, w in zip(got, want, strict=True):
         torch.testing.assert_close(a.cpu().double(), w, atol=1e-4, rtol=1e-4)
+
+
+def test_user_selection_canonical_form():
+    """A selection in topk_attention's own form (each row ascending, then only -1s) is taken as
+    given on the CPU; any other order, a repeat, a -1 before an entry or another negative goes
+    through the sort that drops repeats; the attention is the same either way."""
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for n in (0, 1, 5, 9):
+        vals = torch.randperm(40, generator=gen)[:n].sort().values
+        rows.append(torch.cat([vals, torch.full((9 - n,), -1)]))
+    canon = torch.stack(rows).to(torch.int32).view(1, 1, 4, 9)
+    q = torch.randn(1, 2, 4, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(2))
+    assert _routes.in_canonical_form(canon)
+    assert torch.equal(_routes.drop_repeats(canon), canon)
+    assert torch.equal(_routes.user_selection(q, k, canon, None, None), canon)
+    swapped = canon.clone()
+    swapped[0, 0, 2, :2] = canon[0, 0, 2, :2].flip(0)
+    repeat = canon.clone()
+    repeat[0, 0, 3, 1] = repeat[0, 0, 3, 0]
+    hole = canon.clone()
+    hole[0, 0, 2, 1] = -1
+    other = canon.clone()
+    other[0, 0, 1, 3] = -2
+    late = canon.clone()  # the first row fine, a later one not
+    late[0, 0, 3, 4] = late[0, 0, 3, 5]
+    for bad in (swapped, repeat, hole, other, late):
+        assert not _routes.in_canonical_form(bad)
+        assert torch.equal(_routes.user_selection(q, k, bad, None, None), _routes.drop_repeats(bad))
+    shuffled = canon[..., torch.randperm(9, generator=gen)].contiguous()
+    want = sparse_attn.topk_attention(q, k, v, indices=shuffled)
+    torch.testing.assert_close(sparse_attn.topk_attention(q, k, v, indices=canon), want, atol=0, rtol=0)
 
 
 def test_user_selection_bad_input():
