@@ -433,36 +433,38 @@ def test_explain_cpu():
     # 72 / 80 pairs of one CTA each stream below DRAM's rate (an H100 SM: ~38 GB/s, 3.35 TB/s of
     # DRAM needs ~81 of them): 132 CTAs share their pieces (11 / 33 per pair); 88 pairs do not.
     for b, route, splits in ((9, "decode_balanced", 11), (10, "decode_balanced", 33), (11, "decode", 1)):
-        qb = torch.zeros(b, 32, 1, 128, dtype=torch.bfloat16)
-        cache = torch.zeros(b, 8, 8192, 128, dtype=torch.bfloat16)
-        full = torch.full((b,), 8192, dtype=torch.int32)
-        plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, qb, cache, cache, full, target="sm90")
+        plan = _h100_decode_plan(b)
         o = plan.launches[0].options
         assert plan.route == route and o["num_splits"] == splits, (b, str(plan))
         assert o["ctas"] == (132 if splits > 1 else 8 * b), (b, str(plan))
         # The same pairs in pages shorter than a key tile (reads that scatter): no balanced grid.
-        pages = cache.transpose(1, 2).reshape(b * 8192 // 16, 16, 8, 128)
-        table = torch.arange(b * 8192 // 16, dtype=torch.int32).view(b, -1)
-        paged = sparse_attn.explain(
-            sparse_attn.attention_with_kvcache, qb, pages, pages, full, block_table=table, target="sm90"
-        )
+        paged = _h100_decode_plan(b, page_size=16)
         assert paged.route != "decode_balanced", (b, str(paged))
         # Eight new tokens per sequence (32 query rows per K/V head, two row tiles): not measured
         # with the balanced grid, so one CTA per pair.
-        q8 = torch.zeros(b, 32, 8, 128, dtype=torch.bfloat16)
-        multi = sparse_attn.explain(sparse_attn.attention_with_kvcache, q8, cache, cache, full, target="sm90")
+        multi = _h100_decode_plan(b, lq=8)
         assert multi.route != "decode_balanced", (b, str(multi))
     # 192 pairs: 60 of the 132 SMs would hold two CTAs and end last, so 264 CTAs share the pairs'
     # pieces evenly (11 per pair, 8 per CTA); 256 pairs load the SMs about evenly: one CTA each.
     for b, route, ctas in ((24, "decode_balanced", 264), (32, "decode", 256)):
-        qb = torch.zeros(b, 32, 1, 128, dtype=torch.bfloat16)
-        cache = torch.zeros(b, 8, 8192, 128, dtype=torch.bfloat16)
-        full = torch.full((b,), 8192, dtype=torch.int32)
-        plan = sparse_attn.explain(sparse_attn.attention_with_kvcache, qb, cache, cache, full, target="sm90")
+        plan = _h100_decode_plan(b)
         o = plan.launches[0].options
         assert plan.route == route and o["ctas"] == ctas, (b, str(plan))
         assert o["num_splits"] == (11 if b == 24 else 1) and o["balanced"] == (b == 24), (b, str(plan))
         assert [launch.kernel for launch in plan.launches][1:] == (["decode_combine"] if b == 24 else []), str(plan)
+
+
+def _h100_decode_plan(b, lq=1, length=8192, page_size=None):
+    """explain's plan (target sm90: an H100 SXM) for decode of B = b, H = 32, Hkv = 8, D = 128, bf16,
+    every cache holding `length` tokens, contiguous or in pages of page_size tokens."""
+    q = torch.zeros(b, 32, lq, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(b, 8, length, 128, dtype=torch.bfloat16)
+    full = torch.full((b,), length, dtype=torch.int32)
+    kw = {}
+    if page_size is not None:
+        cache = cache.transpose(1, 2).reshape(b * length // page_size, page_size, 8, 128)
+        kw["block_table"] = torch.arange(b * length // page_size, dtype=torch.int32).view(b, -1)
+    return sparse_attn.explain(sparse_attn.attention_with_kvcache, q, cache, cache, full, target="sm90", **kw)
 
 
 def test_kvcache_topk_mask(device):
