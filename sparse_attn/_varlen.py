@@ -254,14 +254,18 @@ def _cached_document_mask(bounds, total_q: int, total_k: int, left: int, right: 
     return mask
 
 
+def causal_band(left: int, right: int, causal: bool) -> tuple[int, int]:
+    """A window's (left, right) bounds with ``causal`` folded in (no key after the row's own)."""
+    return (left, 0 if right < 0 else min(right, 0)) if causal else (left, right)
+
+
 def run_documents(query, key, value, bounds, scale, causal: bool, left: int, right: int):
     """The packed batch as one block_sparse_attention call over its document mask: the packed
     (total, H, D) tensors viewed as one (1, H, total, D) sequence; returns (total_q, H, Dv) and
     (H, total_q)."""
     from .ops import block_sparse_attention
 
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
+    left, right = causal_band(left, right, causal)
     mask = _cached_document_mask(bounds, query.shape[0], key.shape[0], left, right, query.device)
     q, k, v = (x.unsqueeze(0).transpose(1, 2) for x in (query, key, value))
     out, lse = block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)

@@ -676,12 +676,11 @@ def flash_attention_varlen(
     torch.Size([10, 4, 64])
     """
     bounds = _varlen.check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    left, right = _args.window_bounds(window)
     if _varlen.document_route(query, key, value, bounds):
-        left, right = _args.window_bounds(window)
         out, lse = _varlen.run_documents(query, key, value, bounds, scale, bool(causal), left, right)
         return _result(out, lse, None, return_lse)
     if _varlen.packed_flash(query, key, value):
-        left, right = _args.window_bounds(window)
         out, lse = _varlen.run_flash_into(query, key, value, bounds, _args.scale(scale), bool(causal), left, right)
         return _result(out, lse, None, return_lse)
     out, lse = _varlen.run(

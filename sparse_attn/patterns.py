@@ -481,9 +481,7 @@ def documents(
         raise ValueError(f"cu_seqlens must be integer offsets (B + 1,) starting at 0, got {cu_seqlens!r}")
     if any(b < a for a, b in zip(cu, cu[1:], strict=False)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
-    left, right = _args.window_bounds(window)
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
+    left, right = _varlen.causal_band(*_args.window_bounds(window), causal)
     bounds = [(a, b, a, b) for a, b in zip(cu, cu[1:], strict=False)]
     blocks = _blocks(block_size)
     dev = torch.device(device) if device is not None else torch.device("cpu")
