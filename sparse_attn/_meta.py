@@ -189,6 +189,12 @@ def _selection_mask(indices, key_length, heads, q_block, kv_block, causal, row_o
     )
 
 
+@torch.library.register_fake("sparse_attn::_canonical_selection")
+def _canonical_selection(indices):
+    _check(indices.dtype == torch.int32 and indices.dim() >= 1, "indices must be int32 with a last dimension")
+    return torch.empty_like(indices, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("sparse_attn::_document_mask")
 def _document_mask(
     cu_seqlens_q, cu_seqlens_k, partial_offsets, num_partial, total_q, total_k, q_block, kv_block, left, right, max_kb

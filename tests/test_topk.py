@@ -697,6 +697,45 @@ def test_user_selection_canonical_form():
     torch.testing.assert_close(sparse_attn.topk_attention(q, k, v, indices=canon), want, atol=0, rtol=0)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("k", [1, 7, 512, 513, 2048, 2049, 4096])
+def test_cuda_canonical_selection_matches_the_sort(k):
+    # The CUDA kernel against the reference sort (drop_repeats) on rows already in the form (kept as
+    # they are), rows out of order, with repeats, -1s between entries, other negatives, all -1 and
+    # all one key; then the user call's attention with the selection in either form.
+    gen = torch.Generator().manual_seed(k)
+    n = 40
+    rows = torch.randint(0, 3 * k + 5, (n, k), generator=gen, dtype=torch.int32)
+    rows[0] = torch.arange(k, dtype=torch.int32)  # in the form
+    rows[1, : k // 2] = torch.randperm(3 * k, generator=gen)[: k // 2].sort().values.to(torch.int32)
+    rows[1, k // 2 :] = -1
+    rows[2] = -1
+    rows[3] = 5
+    rows[4, ::3] = -1
+    rows[5, 1::2] = -7
+    rows[6] = rows[6].sort().values  # ascending with repeats
+    rows[7] = torch.randperm(k, generator=gen).to(torch.int32)
+    rows[8] = -7  # only negatives, not in the form
+    sel = rows.view(2, 1, n // 2, k).cuda()
+    got = torch.ops.sparse_attn._canonical_selection(sel)
+    assert torch.equal(got.cpu(), _routes.drop_repeats(sel.cpu()))
+    assert torch.equal(got.view(n, k)[:3].cpu(), rows[:3])  # rows in the form kept as they are
+    again = torch.ops.sparse_attn._canonical_selection(got)  # -1s between entries: sorted again
+    assert torch.equal(again.cpu(), _routes.drop_repeats(got.cpu()))
+    result = torch.library.opcheck(torch.ops.sparse_attn._canonical_selection.default, (sel,))
+    assert set(result.values()) == {"SUCCESS"}, result
+    q = torch.randn(2, 2, n // 2, 32, device="cuda")
+    kk, v = (torch.randn(2, 1, 3 * k + 5, 32, device="cuda") for _ in range(2))
+    want = sparse_attn.topk_attention(q, kk, v, indices=again)  # (the -1s' places move the tiles' sums)
+    torch.testing.assert_close(sparse_attn.topk_attention(q, kk, v, indices=sel), want, atol=1e-5, rtol=1e-5)
+    if k == 4096:  # longer rows: the op refuses them, the call takes the reference sort
+        wide = torch.randint(-2, 50, (1, 1, 3, k + 1), generator=gen, dtype=torch.int32).cuda()
+        with pytest.raises(RuntimeError, match="at most 4096"):
+            torch.ops.sparse_attn._canonical_selection(wide)
+        q1 = torch.randn(1, 2, 3, 32, device="cuda")
+        assert torch.equal(_routes.user_selection(q1, kk[:1], wide, None, None), _routes.drop_repeats(wide))
+
+
 def test_user_selection_bad_input():
     q = k = v = torch.randn(1, 4, 16, 32)
     with pytest.raises(ValueError, match="int32"):

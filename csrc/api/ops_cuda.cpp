@@ -293,6 +293,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cuda(
   return out;
 }
 
+at::Tensor canonical_selection_cuda(const at::Tensor& indices) {
+  check_cuda(indices);
+  TORCH_CHECK(indices.scalar_type() == at::kInt, "indices must be int32, got ", indices.scalar_type());
+  TORCH_CHECK(indices.dim() >= 1 && indices.size(-1) <= kCanonicalSelectionMaxK, "indices: rows of at most ",
+              kCanonicalSelectionMaxK, " entries, got shape ", indices.sizes());
+  const c10::cuda::CUDAGuard guard(indices.device());
+  const at::Tensor in = indices.contiguous();
+  at::Tensor out = at::empty_like(in);
+  const int64_t k = in.size(-1), rows = k == 0 ? 0 : in.numel() / k;
+  check_launch(run_canonical_selection(in.data_ptr<int32_t>(), out.data_ptr<int32_t>(), rows, int(k),
+                                       c10::cuda::getCurrentCUDAStream()),
+               "canonical_selection");
+  return out;
+}
+
 at::Tensor indexer_select_cuda(const at::Tensor& index_query, const at::Tensor& index_key,
                                const at::Tensor& index_weights, int64_t k, bool causal) {
   TopkSelectParams params;
@@ -603,6 +618,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
   m.impl("topk_select", &topk_select_cuda);
   m.impl("_selection_mask", &selection_mask_cuda);
   m.impl("_document_mask", &document_mask_cuda);
+  m.impl("_canonical_selection", &canonical_selection_cuda);
   m.impl("indexer_select", &indexer_select_cuda);
   m.impl("flash_fwd", &flash_fwd_cuda);
   m.impl("_flash_fwd_out", &flash_fwd_out_cuda);

@@ -29,6 +29,12 @@ cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaS
 // (query block, group, batch); p.words zeroed beforehand.
 cudaError_t run_selection_mask(const SelectionMaskParams& p, cudaStream_t stream);
 
+// A user's selection (rows of k int32 entries) in topk_attention's form: each row ascending, -1 for
+// a repeat or a negative entry (selection_rows.cu). One CTA per row; k <= kCanonicalSelectionMaxK.
+constexpr int kCanonicalSelectionMaxK = 4096;
+cudaError_t run_canonical_selection(const int32_t* in, int32_t* out, int64_t rows, int k,
+                                    cudaStream_t stream);
+
 // Packed documents as a block-sparse mask (document_mask.h): one CTA of q_block threads per query
 // block.
 cudaError_t run_document_mask(const DocumentMaskParams& p, cudaStream_t stream);
