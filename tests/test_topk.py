@@ -699,13 +699,16 @@ def test_user_selection_canonical_form():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("k", [1, 7, 512, 513, 2048, 2049, 4096])
-def test_cuda_canonical_selection_matches_the_sort(k):
-    # The CUDA kernel against the reference sort (drop_repeats) on rows already in the form (kept as
-    # they are), rows out of order, with repeats, -1s between entries, other negatives, all -1 and
-    # all one key; then the user call's attention with the selection in either form.
+@pytest.mark.parametrize("wide", [False, True], ids=["bitmap", "sort"])
+def test_cuda_canonical_selection_matches_the_sort(k, wide):
+    # The CUDA kernel against the reference sort (drop_repeats, its -1s moved last) on rows already
+    # in the form (kept as they are), rows out of order, with repeats, -1s between entries, other
+    # negatives, only -1s, only negatives and one key; entries below 2^17 (the kernel's bitmap)
+    # or up to 2^31 - 2 (its radix sort); then the user call's attention with either selection.
     gen = torch.Generator().manual_seed(k)
-    n = 40
-    rows = torch.randint(0, 3 * k + 5, (n, k), generator=gen, dtype=torch.int32)
+    n, top = 40, torch.iinfo(torch.int32).max
+    hi = top - 1 if wide else 3 * k + 5
+    rows = torch.randint(0, hi, (n, k), generator=gen, dtype=torch.int32)
     rows[0] = torch.arange(k, dtype=torch.int32)  # in the form
     rows[1, : k // 2] = torch.randperm(3 * k, generator=gen)[: k // 2].sort().values.to(torch.int32)
     rows[1, k // 2 :] = -1
@@ -716,24 +719,30 @@ def test_cuda_canonical_selection_matches_the_sort(k):
     rows[6] = rows[6].sort().values  # ascending with repeats
     rows[7] = torch.randperm(k, generator=gen).to(torch.int32)
     rows[8] = -7  # only negatives, not in the form
+    rows[9, -1] = hi  # the largest entry last
+    rows[10, : k // 2] = rows[10, k // 2 : 2 * (k // 2)]  # every entry twice
     sel = rows.view(2, 1, n // 2, k).cuda()
     got = torch.ops.sparse_attn._canonical_selection(sel)
-    assert torch.equal(got.cpu(), _routes.drop_repeats(sel.cpu()))
+    ref = _routes.drop_repeats(rows)
+    ref = torch.where(ref < 0, top, ref).sort(-1).values
+    assert torch.equal(got.view(n, k).cpu(), torch.where(ref == top, -1, ref))
     assert torch.equal(got.view(n, k)[:3].cpu(), rows[:3])  # rows in the form kept as they are
-    again = torch.ops.sparse_attn._canonical_selection(got)  # -1s between entries: sorted again
-    assert torch.equal(again.cpu(), _routes.drop_repeats(got.cpu()))
+    assert torch.equal(torch.ops.sparse_attn._canonical_selection(got), got)
     result = torch.library.opcheck(torch.ops.sparse_attn._canonical_selection.default, (sel,))
     assert set(result.values()) == {"SUCCESS"}, result
+    if wide:
+        return
     q = torch.randn(2, 2, n // 2, 32, device="cuda")
     kk, v = (torch.randn(2, 1, 3 * k + 5, 32, device="cuda") for _ in range(2))
-    want = sparse_attn.topk_attention(q, kk, v, indices=again)  # (the -1s' places move the tiles' sums)
-    torch.testing.assert_close(sparse_attn.topk_attention(q, kk, v, indices=sel), want, atol=1e-5, rtol=1e-5)
+    want = sparse_attn.topk_attention(q, kk, v, indices=got)
+    torch.testing.assert_close(sparse_attn.topk_attention(q, kk, v, indices=sel), want, atol=0, rtol=0)
     if k == 4096:  # longer rows: the op refuses them, the call takes the reference sort
-        wide = torch.randint(-2, 50, (1, 1, 3, k + 1), generator=gen, dtype=torch.int32).cuda()
+        wide_rows = torch.randint(-2, 50, (1, 1, 3, k + 1), generator=gen, dtype=torch.int32).cuda()
         with pytest.raises(RuntimeError, match="at most 4096"):
-            torch.ops.sparse_attn._canonical_selection(wide)
+            torch.ops.sparse_attn._canonical_selection(wide_rows)
         q1 = torch.randn(1, 2, 3, 32, device="cuda")
-        assert torch.equal(_routes.user_selection(q1, kk[:1], wide, None, None), _routes.drop_repeats(wide))
+        got1 = _routes.user_selection(q1, kk[:1], wide_rows, None, None)
+        assert torch.equal(got1, _routes.drop_repeats(wide_rows))
 
 
 def test_user_selection_bad_input():

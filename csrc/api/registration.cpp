@@ -167,8 +167,9 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int row_offset, int entry_block=1) -> (Tensor kv_num_blocks, Tensor kv_indices, Tensor kv_partial, "
       "Tensor partial_masks)");
 
-  // A user's selection (..., k) in topk_attention's form: each row ascending, -1 for a repeat or a
-  // negative entry (sparse_attn/cuda/topk.h; CUDA, k <= 4096; the reference: _routes.drop_repeats).
+  // A user's selection (..., k) in topk_attention's form: each row's distinct non-negative entries
+  // ascending, then -1s (sparse_attn/cuda/topk.h; CUDA, k <= 4096; the reference:
+  // _routes.drop_repeats, which leaves a repeat's -1 in its place).
   m.def("_canonical_selection(Tensor indices) -> Tensor");
 
   // Packed sequences (cu_seqlens_q / _k) as one block-sparse mask (sparse_attn/document_mask.h):

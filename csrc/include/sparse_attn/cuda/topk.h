@@ -29,8 +29,9 @@ cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaS
 // (query block, group, batch); p.words zeroed beforehand.
 cudaError_t run_selection_mask(const SelectionMaskParams& p, cudaStream_t stream);
 
-// A user's selection (rows of k int32 entries) in topk_attention's form: each row ascending, -1 for
-// a repeat or a negative entry (selection_rows.cu). One CTA per row; k <= kCanonicalSelectionMaxK.
+// A user's selection (rows of k int32 entries) in topk_attention's form: each row's distinct
+// non-negative entries ascending, then -1s (selection_rows.cu). One CTA per row; k <=
+// kCanonicalSelectionMaxK.
 constexpr int kCanonicalSelectionMaxK = 4096;
 cudaError_t run_canonical_selection(const int32_t* in, int32_t* out, int64_t rows, int k,
                                     cudaStream_t stream);
