@@ -279,13 +279,18 @@ def selection_mask_size(lq: int, lk: int, q_block: int, kv_block: int, causal: b
     nqb, nkb = -(-lq // q_block), -(-lk // kv_block)
     if not causal:
         return nqb * nkb, nkb if nqb else 0
-    pairs = longest = 0
-    for qb in range(nqb):
-        last_key = min((qb + 1) * q_block, lq) - 1 + row_offset
-        cap = 0 if last_key < 0 else min(nkb, last_key // kv_block + 1)
-        pairs += cap
-        longest = max(longest, cap)
-    return pairs, longest
+    caps = [_block_cap(qb, lq, lk, q_block, kv_block, causal, row_offset) for qb in range(nqb)]
+    return sum(caps), max(caps, default=0)
+
+
+def _block_cap(qb: int, lq: int, lk: int, q_block: int, kv_block: int, causal: bool, row_offset: int) -> int:
+    """Key blocks query block qb may list: all, or under causal those up to its last row's last
+    visible key."""
+    nkb = -(-lk // kv_block)
+    if not causal:
+        return nkb
+    last_key = min((qb + 1) * q_block, lq) - 1 + row_offset
+    return 0 if last_key < 0 else min(nkb, last_key // kv_block + 1)
 
 
 def selection_blocks(
@@ -326,27 +331,41 @@ def can_synchronize(query) -> bool:
     return not (query.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def selection_union(entries, lq: int, lk: int, entry_block: int, causal: bool, block: int = 128) -> float:
+def selection_union(
+    entries, lq: int, lk: int, entry_block: int, causal: bool, block: int = 128, max_entries: int | None = None
+) -> float:
     """The share of the (query block, key block) pairs a selection (entries of ``entry_block`` keys,
     -1 for none) touches, over the pairs the masked route could list: what the block kernel would
     compute, relative to dense. A few passes over the entries and one host read (the cost model's
-    input for selections whose union it cannot know from shapes)."""
-    b, g = entries.shape[0], entries.shape[1]
+    input for selections whose union it cannot know from shapes). ``max_entries``: a selection
+    holding more is measured on evenly spaced query blocks holding at most that many (an estimate,
+    its cost cut in proportion)."""
+    b, g, k = entries.shape[0], entries.shape[1], entries.shape[-1]
     nqb, nkb = -(-lq // block), -(-lk // block)
     dev = entries.device
+    blocks = list(range(nqb))
+    if max_entries is not None and entries.numel() > max_entries:
+        n = max(1, min(nqb, max_entries // max(1, b * g * block * k)))
+        blocks = sorted({(2 * i + 1) * nqb // (2 * n) for i in range(n)})  # the middles of n equal parts
+    rows = torch.arange(lq, device=dev)
+    if len(blocks) < nqb:
+        starts = torch.tensor(blocks, device=dev) * block
+        rows = (starts[:, None] + torch.arange(block, device=dev)).flatten()
+        rows = rows[rows < lq]
+        entries = entries.index_select(2, rows)
+    slot = torch.full((nqb,), -1, dtype=torch.long, device=dev)  # query block -> its place among those measured
+    slot[torch.tensor(blocks, device=dev)] = torch.arange(len(blocks), device=dev)
     valid = (entries >= 0) & (entries < -(-lk // entry_block))  # tested before the product can overflow
     first = torch.where(valid, entries, 0) * entry_block
     if causal:
-        valid &= first <= (torch.arange(lq, device=dev, dtype=torch.int32) + (lk - lq))[:, None]
+        valid &= first <= (rows.to(torch.int32) + (lk - lq))[:, None]
     # One row of nkb + 1 flags per (b, g, query block); invalid entries land in the last column.
     cols = nkb + 1
-    base = (
-        torch.arange(b * g, device=dev).view(b, g, 1, 1) * nqb + (torch.arange(lq, device=dev) // block)[:, None]
-    ) * cols
-    grid = torch.zeros(b * g * nqb * cols, dtype=torch.bool, device=dev)
+    base = (torch.arange(b * g, device=dev).view(b, g, 1, 1) * len(blocks) + slot[rows // block][:, None]) * cols
+    grid = torch.zeros(b * g * len(blocks) * cols, dtype=torch.bool, device=dev)
     ends = (first,) if entry_block <= 1 else (first, (first + entry_block - 1).clamp(max=lk - 1))
     for key in ends:  # an entry spans at most two key blocks
         grid[base + torch.where(valid, key // block, nkb)] = True
     touched = grid.view(-1, cols)[:, :nkb].sum()
-    pairs, _ = selection_mask_size(lq, lk, block, block, causal, lk - lq)
+    pairs = sum(_block_cap(qb, lq, lk, block, block, causal, lk - lq) for qb in blocks)
     return touched.item() / max(1, b * g * pairs)

@@ -257,6 +257,34 @@ def test_measured_union_picks_the_block_route_for_clustered_selections(monkeypat
     assert _plan.measured_selection_route(q, kk, v, sinks, 16, True).kind == "gather"
 
 
+def test_sampled_union(monkeypatch):
+    """A selection too large to measure whole within the cost model's share is measured on evenly
+    spaced query blocks: the estimate is near the whole's (local windows of 256 keys under causal,
+    random keys among each row's first tenth, sinks, key-block entries); measured whole when cheap;
+    a sample large enough turns the choice to the block route for a clustered selection; too few
+    blocks: shapes decide."""
+    gen = torch.Generator().manual_seed(3)
+    lq = lk = 8192
+    rows = torch.arange(lq)[:, None]
+    window = (rows - torch.randint(0, 256, (1, 2, lq, 32), generator=gen)).clamp(min=0).to(torch.int32)
+    early = (torch.rand(1, 2, lq, 32, generator=gen) * ((rows + 1) // 10 + 1)).long().to(torch.int32)
+    sinks = torch.arange(32, dtype=torch.int32).expand(1, 2, lq, 32).contiguous()
+    blocks = (rows // 128 - torch.randint(0, 4, (1, 2, lq, 4), generator=gen)).clamp(min=0).to(torch.int32)
+    for sel, entry_block in ((window, 1), (early, 1), (sinks, 1), (blocks, 128)):
+        whole = _routes.selection_union(sel, lq, lk, entry_block, True)
+        assert _routes.selection_union(sel, lq, lk, entry_block, True, max_entries=sel.numel()) == whole
+        part = _routes.selection_union(sel, lq, lk, entry_block, True, max_entries=sel.numel() // 6)
+        assert part == pytest.approx(whole, rel=0.15, abs=0.003), (entry_block, whole, part)
+    q, kk, v = make_qkv(1, 4, 4, 2048, 2048, 64, dtype=torch.float32, seed=8)
+    clustered = torch.arange(16, dtype=torch.int32).expand(1, 4, 2048, 16).contiguous()
+    gather = _plan.selection_route(q, kk, v, 4, 16, True).args[0]
+    per_block = 4 * 128 * 16  # entries of one query block; the selection holds 16 blocks' worth
+    for blocks_affordable, kind in ((10, "masked_block"), (6, "gather")):
+        rate = blocks_affordable * per_block * 8 / (_plan._UNION_MEASURE_SHARE * gather)
+        monkeypatch.setitem(_plan._UNION_MEASURE_BYTES_PER_S, "cpu", rate)
+        assert _plan.measured_selection_route(q, kk, v, clustered, 16, True).kind == kind, blocks_affordable
+
+
 def test_selection_mask_of_a_long_key_sequence(device):
     """More than 4000 key blocks (600k keys): the lists reach the last block, the bits land in it."""
     idx = torch.tensor([[[[600000, 3, -1]]]], dtype=torch.int32, device=device)
