@@ -192,8 +192,8 @@ def block_topk_mask(query, key, k: int, block_size: int, causal: bool):
 
 def user_selection(query, key, indices, k, block_size) -> torch.Tensor:
     """A user's selection (B, G, Lq, k) of keys or key blocks, checked (layout only: no value is
-    read on the host), with each row's repeats dropped: ascending, -1 for a repeat or an empty slot
-    (a key or block listed more than once counts once)."""
+    read on the host), in the op's form: each row's distinct entries ascending, then -1s (a key or
+    block listed more than once counts once; a negative entry is none)."""
     b, h, lq = query.shape[0], query.shape[1], query.shape[2]
     hkv = key.shape[1]
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 4:
@@ -215,43 +215,27 @@ def user_selection(query, key, indices, k, block_size) -> torch.Tensor:
         )
     if block_size not in (None, 64, 128):
         raise ValueError(f"block_size must be None (tokens), 64 or 128, got {block_size}")
-    if indices.device.type == "cpu" and in_canonical_form(indices):
-        return indices.contiguous()  # what the sort below would return (CPU: the check reads values)
-    if indices.device.type == "cuda" and indices.shape[-1] <= CANONICAL_SELECTION_MAX_K:
-        return _ops._canonical_selection.default(indices)  # the same entries, -1s last; a CTA per row
+    if indices.device.type != "cuda" or indices.shape[-1] <= CANONICAL_SELECTION_MAX_K:
+        return _ops._canonical_selection.default(indices)  # rows already in the form copied
     return drop_repeats(indices)
 
 
-# The longest rows _canonical_selection takes (kCanonicalSelectionMaxK, csrc/include/sparse_attn/cuda/topk.h).
+# The longest rows _canonical_selection takes on CUDA (kCanonicalSelectionMaxK,
+# csrc/include/sparse_attn/cuda/topk.h); the CPU's take any length.
 CANONICAL_SELECTION_MAX_K = 4096
 
 
 def drop_repeats(indices: torch.Tensor) -> torch.Tensor:
-    """Each row of a selection ascending, -1 for a repeat or a negative (empty) entry (the
-    reference of ``_canonical_selection``, which CUDA selections of up to 4096 entries take and
-    which puts the -1s last: on an H100 the sort here took 6.2 ms for 64k rows of 2048)."""
+    """Each row of a selection in topk_attention's form: its distinct non-negative entries
+    ascending, then -1s (the reference of ``_canonical_selection``, and what CUDA rows of more than
+    4096 entries take; an entry of 2^31 - 1 counts as none here). Two sorts of every row: on an
+    H100 the first alone took 3.9 ms for 64k rows of 2048 entries, the kernel 0.9 ms for all of it."""
     top = torch.iinfo(torch.int32).max
     rows = torch.where(indices >= 0, indices, top).sort(-1).values
     repeat = torch.zeros_like(rows, dtype=torch.bool)
     repeat[..., 1:] = rows[..., 1:] == rows[..., :-1]
-    return torch.where(repeat | (rows == top), -1, rows).contiguous()
-
-
-def in_canonical_form(indices: torch.Tensor) -> bool:
-    """Whether every row is strictly ascending entries followed only by -1s (the selections
-    topk_attention returns), which drop_repeats leaves as they are: a selection reused across
-    calls skips its sort (CPU, L = 1k, k = 128: the check 0.7 ms against the sort's 2.9). The first
-    row is checked alone first, so a selection in another order (torch.topk's, by score) costs
-    next to nothing more. Reads the values, so a CUDA selection would wait for the device:
-    callers check CPU tensors only."""
-    if indices.numel() == 0:
-        return True
-
-    def canonical(x):
-        x0, x1 = x[..., :-1], x[..., 1:]
-        return bool(torch.all((x1 == -1) | ((x1 > x0) & (x0 >= 0)))) and bool(torch.all(x[..., 0] >= -1))
-
-    return canonical(indices.reshape(-1, indices.shape[-1])[:1]) and canonical(indices)
+    rows = torch.where(repeat, top, rows).sort(-1).values
+    return torch.where(rows == top, -1, rows).contiguous()
 
 
 def selection_tokens(query, key, entries, block_size, causal: bool) -> torch.Tensor:

@@ -664,19 +664,18 @@ def test_user_selection_gradients(device, route):
         torch.testing.assert_close(a.cpu().double(), w, atol=1e-4, rtol=1e-4)
 
 
-def test_user_selection_canonical_form():
+def test_user_selection_canonical_form(device):
     """A selection in topk_attention's own form (each row ascending, then only -1s) is taken as
-    given on the CPU; any other order, a repeat, a -1 before an entry or another negative goes
-    through the sort that drops repeats; the attention is the same either way."""
+    given; any other order, a repeat, a -1 before an entry or another negative gives the reference
+    sort's form; the attention is the same either way."""
     gen = torch.Generator().manual_seed(5)
     rows = []
     for n in (0, 1, 5, 9):
         vals = torch.randperm(40, generator=gen)[:n].sort().values
         rows.append(torch.cat([vals, torch.full((9 - n,), -1)]))
-    canon = torch.stack(rows).to(torch.int32).view(1, 1, 4, 9)
-    q = torch.randn(1, 2, 4, 16, generator=gen)
-    k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(2))
-    assert _routes.in_canonical_form(canon)
+    canon = torch.stack(rows).to(torch.int32).view(1, 1, 4, 9).to(device)
+    q = torch.randn(1, 2, 4, 16, generator=gen).to(device)
+    k, v = (torch.randn(1, 2, 40, 16, generator=gen).to(device) for _ in range(2))
     assert torch.equal(_routes.drop_repeats(canon), canon)
     assert torch.equal(_routes.user_selection(q, k, canon, None, None), canon)
     swapped = canon.clone()
@@ -690,18 +689,34 @@ def test_user_selection_canonical_form():
     late = canon.clone()  # the first row fine, a later one not
     late[0, 0, 3, 4] = late[0, 0, 3, 5]
     for bad in (swapped, repeat, hole, other, late):
-        assert not _routes.in_canonical_form(bad)
-        assert torch.equal(_routes.user_selection(q, k, bad, None, None), _routes.drop_repeats(bad))
-    shuffled = canon[..., torch.randperm(9, generator=gen)].contiguous()
+        got = _routes.user_selection(q, k, bad, None, None)
+        assert not torch.equal(got, bad)
+        assert torch.equal(got, _routes.drop_repeats(bad))
+    shuffled = canon[..., torch.randperm(9, generator=gen).to(device)].contiguous()
     want = sparse_attn.topk_attention(q, k, v, indices=shuffled)
     torch.testing.assert_close(sparse_attn.topk_attention(q, k, v, indices=canon), want, atol=0, rtol=0)
+
+
+def test_canonical_selection_rows(device):
+    # The op (CPU, or CUDA's kernel) against the reference sort on rows of several lengths and kinds.
+    gen = torch.Generator().manual_seed(11)
+    for k in (1, 3, 64, 300):
+        rows = torch.randint(-3, 2 * k + 3, (12, k), generator=gen, dtype=torch.int32)
+        rows[0] = torch.arange(k, dtype=torch.int32)
+        rows[1] = -1
+        rows[2] = -5
+        rows[3] = rows[3].sort().values
+        got = torch.ops.sparse_attn._canonical_selection(rows.view(3, 4, 1, k).to(device))
+        assert torch.equal(got.view(12, k).cpu(), _routes.drop_repeats(rows))
+    with pytest.raises(RuntimeError, match="int32"):
+        torch.ops.sparse_attn._canonical_selection(rows.long().to(device))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("k", [1, 7, 512, 513, 2048, 2049, 4096])
 @pytest.mark.parametrize("wide", [False, True], ids=["bitmap", "sort"])
 def test_cuda_canonical_selection_matches_the_sort(k, wide):
-    # The CUDA kernel against the reference sort (drop_repeats, its -1s moved last) on rows already
+    # The CUDA kernel against the reference sort (drop_repeats) on rows already
     # in the form (kept as they are), rows out of order, with repeats, -1s between entries, other
     # negatives, only -1s, only negatives and one key; entries below 2^17 (the kernel's bitmap)
     # or up to 2^31 - 2 (its radix sort); then the user call's attention with either selection.
@@ -723,9 +738,7 @@ def test_cuda_canonical_selection_matches_the_sort(k, wide):
     rows[10, : k // 2] = rows[10, k // 2 : 2 * (k // 2)]  # every entry twice
     sel = rows.view(2, 1, n // 2, k).cuda()
     got = torch.ops.sparse_attn._canonical_selection(sel)
-    ref = _routes.drop_repeats(rows)
-    ref = torch.where(ref < 0, top, ref).sort(-1).values
-    assert torch.equal(got.view(n, k).cpu(), torch.where(ref == top, -1, ref))
+    assert torch.equal(got.view(n, k).cpu(), _routes.drop_repeats(rows))
     assert torch.equal(got.view(n, k)[:3].cpu(), rows[:3])  # rows in the form kept as they are
     assert torch.equal(torch.ops.sparse_attn._canonical_selection(got), got)
     result = torch.library.opcheck(torch.ops.sparse_attn._canonical_selection.default, (sel,))

@@ -2,6 +2,7 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include <climits>
 #include <vector>
 
 #include "common.h"
@@ -132,6 +133,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cpu(
   return out;
 }
 
+at::Tensor canonical_selection_cpu(const at::Tensor& indices) {
+  check_cpu(indices);
+  TORCH_CHECK(indices.scalar_type() == at::kInt, "indices must be int32, got ", indices.scalar_type());
+  TORCH_CHECK(indices.dim() >= 1, "indices must have a last dimension");
+  const at::Tensor in = indices.contiguous();
+  at::Tensor out = at::empty_like(in);
+  const int64_t k = in.size(-1);
+  TORCH_CHECK(k <= INT_MAX, "indices: rows of at most 2^31 - 1 entries, got ", k);
+  cpu::canonical_selection(in.data_ptr<int32_t>(), out.data_ptr<int32_t>(), k == 0 ? 0 : in.numel() / k,
+                           int(k));
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> document_mask_cpu(
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& partial_offsets,
     int64_t num_partial, int64_t total_q, int64_t total_k, int64_t q_block, int64_t kv_block,
@@ -224,6 +238,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CPU, m) {
   m.impl("gather_fwd", &gather_fwd_cpu);
   m.impl("topk_select", &topk_select_cpu);
   m.impl("_selection_mask", &selection_mask_cpu);
+  m.impl("_canonical_selection", &canonical_selection_cpu);
   m.impl("_document_mask", &document_mask_cpu);
   m.impl("indexer_select", &indexer_select_cpu);
 }

@@ -168,8 +168,8 @@ TORCH_LIBRARY(sparse_attn, m) {
       "Tensor partial_masks)");
 
   // A user's selection (..., k) in topk_attention's form: each row's distinct non-negative entries
-  // ascending, then -1s (sparse_attn/cuda/topk.h; CUDA, k <= 4096; the reference:
-  // _routes.drop_repeats, which leaves a repeat's -1 in its place).
+  // ascending, then -1s (CPU: sparse_attn/selection_mask.h; CUDA, k <= 4096: sparse_attn/cuda/topk.h;
+  // the reference: _routes.drop_repeats).
   m.def("_canonical_selection(Tensor indices) -> Tensor");
 
   // Packed sequences (cu_seqlens_q / _k) as one block-sparse mask (sparse_attn/document_mask.h):

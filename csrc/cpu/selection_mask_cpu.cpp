@@ -26,7 +26,8 @@ void selection_mask(const SelectionMaskParams& p) {
     const int rows = std::min(p.q_block, p.lq - qb * p.q_block);
     for (int r = 0; r < rows; ++r) {
       const int64_t row_global = int64_t(qb) * p.q_block + r;
-      const int32_t* row = p.indices + b * p.idx_batch_stride + g * p.idx_group_stride + row_global * p.idx_row_stride;
+      const int32_t* row =
+          p.indices + b * p.idx_batch_stride + g * p.idx_group_stride + row_global * p.idx_row_stride;
       const int64_t limit = p.causal ? std::min<int64_t>(p.lk, row_global + p.row_offset + 1) : int64_t(p.lk);
       auto add = [&](int kb, uint64_t lo, uint64_t hi) {
         touched[kb] = 1;
@@ -79,6 +80,30 @@ void selection_mask(const SelectionMaskParams& p) {
         p.kv_indices[list * p.max_kb + s] = 0;
         p.kv_partial[list * p.max_kb + s] = 0;
       }
+    }
+  }
+}
+
+// Rows already in the form (strictly ascending entries, then only -1s) are copied; others sorted,
+// their repeats and negative entries dropped, -1s after.
+void canonical_selection(const int32_t* in, int32_t* out, int64_t rows, int k) {
+#pragma omp parallel
+  {
+    std::vector<int32_t> keys(size_t(k > 0 ? k : 0));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* src = in + r * k;
+      int32_t* dst = out + r * k;
+      bool ok = k == 0 || src[0] >= -1;
+      for (int i = 1; i < k && ok; ++i) ok = src[i] == -1 || (src[i] > src[i - 1] && src[i - 1] >= 0);
+      if (ok) {
+        std::copy(src, src + k, dst);
+        continue;
+      }
+      const auto end = std::copy_if(src, src + k, keys.begin(), [](int32_t x) { return x >= 0; });
+      std::sort(keys.begin(), end);
+      const auto last = std::unique(keys.begin(), end);
+      std::fill(std::copy(keys.begin(), last, dst), dst + k, -1);
     }
   }
 }

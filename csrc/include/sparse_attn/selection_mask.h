@@ -41,9 +41,11 @@ struct SelectionMaskParams {
 
 // Key blocks query block qb may list: all of them, or under causal those up to the one holding
 // its last row's last visible key.
-SA_HD int selection_block_cap(int qb, int lq, int q_block, int kv_block, int nkb, bool causal, int64_t row_offset) {
+SA_HD int selection_block_cap(int qb, int lq, int q_block, int kv_block, int nkb, bool causal,
+                              int64_t row_offset) {
   if (!causal) return nkb;
-  const int64_t last_row = (int64_t(qb) + 1) * q_block < lq ? (int64_t(qb) + 1) * q_block - 1 : int64_t(lq) - 1;
+  const int64_t last_row =
+      (int64_t(qb) + 1) * q_block < lq ? (int64_t(qb) + 1) * q_block - 1 : int64_t(lq) - 1;
   const int64_t last_key = last_row + row_offset;
   if (last_key < 0) return 0;
   const int64_t cap = last_key / kv_block + 1;
@@ -73,6 +75,9 @@ SA_HD void for_key_range(int64_t a, int64_t e, int64_t limit, int kv_block, int 
 
 namespace cpu {
 void selection_mask(const SelectionMaskParams& p);
+// A user's selection (rows of k int32 entries) in topk_attention's form: each row's distinct
+// non-negative entries ascending, then -1s (run_canonical_selection on CUDA, cuda/topk.h).
+void canonical_selection(const int32_t* in, int32_t* out, int64_t rows, int k);
 }  // namespace cpu
 
 }  // namespace sparse_attn
