@@ -331,21 +331,22 @@ def selection_union(
     if max_entries is not None and entries.numel() > max_entries:
         n = max(1, min(nqb, max_entries // max(1, b * g * block * k)))
         blocks = sorted({(2 * i + 1) * nqb // (2 * n) for i in range(n)})  # the middles of n equal parts
-    rows = torch.arange(lq, device=dev)
-    if len(blocks) < nqb:
-        starts = torch.tensor(blocks, device=dev) * block
-        rows = (starts[:, None] + torch.arange(block, device=dev)).flatten()
+    rows = torch.arange(lq)
+    if len(blocks) < nqb:  # (built on the host: no synchronisation before the one read below)
+        rows = (torch.tensor(blocks)[:, None] * block + torch.arange(block)).flatten()
         rows = rows[rows < lq]
+    slot = torch.full((nqb,), -1, dtype=torch.long)  # query block -> its place among those measured
+    slot[torch.tensor(blocks)] = torch.arange(len(blocks))
+    slot, rows = slot[rows // block].to(dev), rows.to(dev)
+    if len(blocks) < nqb:
         entries = entries.index_select(2, rows)
-    slot = torch.full((nqb,), -1, dtype=torch.long, device=dev)  # query block -> its place among those measured
-    slot[torch.tensor(blocks, device=dev)] = torch.arange(len(blocks), device=dev)
     valid = (entries >= 0) & (entries < -(-lk // entry_block))  # tested before the product can overflow
     first = torch.where(valid, entries, 0) * entry_block
     if causal:
         valid &= first <= (rows.to(torch.int32) + (lk - lq))[:, None]
     # One row of nkb + 1 flags per (b, g, query block); invalid entries land in the last column.
     cols = nkb + 1
-    base = (torch.arange(b * g, device=dev).view(b, g, 1, 1) * len(blocks) + slot[rows // block][:, None]) * cols
+    base = (torch.arange(b * g, device=dev).view(b, g, 1, 1) * len(blocks) + slot[:, None]) * cols
     grid = torch.zeros(b * g * len(blocks) * cols, dtype=torch.bool, device=dev)
     ends = (first,) if entry_block <= 1 else (first, (first + entry_block - 1).clamp(max=lk - 1))
     for key in ends:  # an entry spans at most two key blocks
