@@ -333,10 +333,10 @@ def selection_union(
         blocks = sorted({(2 * i + 1) * nqb // (2 * n) for i in range(n)})  # the middles of n equal parts
     rows = torch.arange(lq)
     if len(blocks) < nqb:  # (built on the host: no synchronisation before the one read below)
-        rows = (torch.tensor(blocks)[:, None] * block + torch.arange(block)).flatten()
+        rows = (torch.tensor(blocks, dtype=torch.long)[:, None] * block + torch.arange(block)).flatten()
         rows = rows[rows < lq]
     slot = torch.full((nqb,), -1, dtype=torch.long)  # query block -> its place among those measured
-    slot[torch.tensor(blocks)] = torch.arange(len(blocks))
+    slot[torch.tensor(blocks, dtype=torch.long)] = torch.arange(len(blocks))
     slot, rows = slot[rows // block].to(dev), rows.to(dev)
     if len(blocks) < nqb:
         entries = entries.index_select(2, rows)
