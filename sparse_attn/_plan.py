@@ -178,8 +178,8 @@ _UNION_MEASURE_BYTES_PER_S = {"cuda": 0.15e12, "cpu": 0.25e9}
 def measured_selection_route(query, key, value, entries, k_tokens: int, causal: bool, entry_block: int = 1) -> Route:
     """selection_route; then, where it chose the gather and a selection's union could beat it, in an
     eager call (no tracing, no graph capture), the union measured (_routes.selection_union: one pass
-    over the entries, or over evenly spaced query blocks' where the whole would cost too much, and
-    one host read) and the choice made again with it. Clustered selections (sinks, local windows,
+    over the entries, or over those of evenly spaced query blocks where the whole would cost too
+    much, and one host read) and the choice made again with it. Clustered selections (sinks, local windows,
     blocks a query tile shares) touch few key blocks; shapes cannot tell."""
     from . import _routes
 
