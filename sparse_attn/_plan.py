@@ -101,15 +101,18 @@ def _sum_clamped(n: int, start: int, lo: int, hi: int) -> int:
 # CUDA (H100): gathered rows stream at about the L2's random-row bandwidth (bytes/s); the block
 # kernel computes pairs at about dense attention's rate (FLOP/s), a partial block taking
 # _PARTIAL_COST times a full one's time; the mask's build moves the indices once and its words
-# about four times at _CUDA_MASK_BYTES_PER_S. CPU (this kernel set): seconds per (query head,
+# about four times at _CUDA_MASK_BYTES_PER_S, and takes at least one CTA's pass over a query
+# block's entries (_CUDA_MASK_CTA_ENTRIES_PER_S). CPU (this kernel set): seconds per (query head,
 # selected key, head-dim element) for the gather and per (query head, visible pair, element) for
 # the block kernel, the build included.
 _CUDA_GATHER_BYTES_PER_S = 6.4e12
 _CUDA_PAIR_FLOPS_PER_S = {torch.float32: 2.0e13, torch.bfloat16: 6.0e14, torch.float16: 6.0e14}
-_CUDA_MASK_BYTES_PER_S = 1.2e12
+_CUDA_MASK_BYTES_PER_S = 2.2e12
+_CUDA_MASK_CTA_ENTRIES_PER_S = 0.35e9
 _CPU_GATHER_S = {torch.float32: 0.23e-9, torch.bfloat16: 0.20e-9, torch.float16: 0.20e-9}
 _CPU_PAIR_S = {torch.float32: 0.017e-9, torch.bfloat16: 0.008e-9, torch.float16: 0.017e-9}
-_PARTIAL_COST = 1.3
+_PARTIAL_COST = {64: 1.45, 128: 1.25}  # CUDA, by head dim: at 64 the softmax (and the masking) weighs more
+_CPU_PARTIAL_COST = 1.3
 
 
 def selection_route(
@@ -146,11 +149,15 @@ def selection_route(
     if query.device.type == "cuda" if cuda is None else cuda:
         streams = h if groups == h else hkv  # (index set, K/V head) pairs each loading its rows
         gather = b * streams * selected * 2 * dv * query.element_size() / _CUDA_GATHER_BYTES_PER_S
-        block = share * _PARTIAL_COST * b * h * visible * 2 * (d + dv) / _CUDA_PAIR_FLOPS_PER_S.get(query.dtype, 2.0e13)
+        partial = _PARTIAL_COST[64 if d <= 64 else 128]
+        block = share * partial * b * h * visible * 2 * (d + dv) / _CUDA_PAIR_FLOPS_PER_S.get(query.dtype, 2.0e13)
+        # The lists' build: its bytes, plus one CTA's pass over a query block's entries (the whole
+        # build where few query blocks leave the GPU half idle).
         block += b * groups * (4 * lq * min(k, lk) + 4 * visible // 8) / _CUDA_MASK_BYTES_PER_S
+        block += 128 * min(k, lk) / _CUDA_MASK_CTA_ENTRIES_PER_S
     else:
         gather = b * h * selected * (d + dv) / 2 * _CPU_GATHER_S.get(query.dtype, 0.23e-9)
-        block = share * _PARTIAL_COST * b * h * visible * (d + dv) / 2 * _CPU_PAIR_S.get(query.dtype, 0.017e-9)
+        block = share * _CPU_PARTIAL_COST * b * h * visible * (d + dv) / 2 * _CPU_PAIR_S.get(query.dtype, 0.017e-9)
     estimate = "estimated while tracing"  # symbolic shapes: no numbers to print
     if not torch.compiler.is_compiling():
         pairs = "every visible pair" if union is None else f"the measured union ({union:.3f} of the pairs)"
@@ -173,6 +180,10 @@ def selection_route(
 _UNION_MEASURE_SHARE = 0.05
 _UNION_MIN_SAMPLE_BLOCKS = 8
 _UNION_MEASURE_BYTES_PER_S = {"cuda": 0.15e12, "cpu": 0.25e9}
+# ... plus a fixed cost: the host read stalls the launches, so the GPU idles while the host
+# chooses and launches the attention (H100: gather 0.37 -> 1.03 ms at 16k, k = 256, when
+# measured; docs/PERF_LOG.md).
+_UNION_MEASURE_FIXED_S = {"cuda": 0.7e-3, "cpu": 0.1e-3}
 
 
 def measured_selection_route(query, key, value, entries, k_tokens: int, causal: bool, entry_block: int = 1) -> Route:
@@ -186,8 +197,9 @@ def measured_selection_route(query, key, value, entries, k_tokens: int, causal: 
     route = selection_route(query, key, value, entries.shape[1], k_tokens, causal)
     if route.kind != "gather" or not route.args or not _routes.can_synchronize(query):
         return route
-    rate = _UNION_MEASURE_BYTES_PER_S["cuda" if query.device.type == "cuda" else "cpu"]
-    budget = int(_UNION_MEASURE_SHARE * route.args[0] * rate / 8)  # entries measurable within the share
+    kind = "cuda" if query.device.type == "cuda" else "cpu"
+    spare = _UNION_MEASURE_SHARE * route.args[0] - _UNION_MEASURE_FIXED_S[kind]  # the share, less the fixed cost
+    budget = int(spare * _UNION_MEASURE_BYTES_PER_S[kind] / 8)  # entries measurable in it
     per_block = entries.shape[0] * entries.shape[1] * 128 * entries.shape[-1]
     if budget < min(entries.numel(), _UNION_MIN_SAMPLE_BLOCKS * per_block):
         return route

@@ -252,8 +252,11 @@ def selection_tokens(query, key, entries, block_size, causal: bool) -> torch.Ten
     return torch.where((tok >= 0) & (tok < lk), tok, -1).to(torch.int32).contiguous()
 
 
-# Partial-mask bytes one masked-block call holds at most; a longer selection runs in query chunks.
-SELECTION_MASK_BYTES = 256 << 20
+# Partial-mask bytes one masked-block call holds at most; a longer selection runs in query chunks
+# (selection_chunks), each a launch with its own tail: 512 MiB against 256 took 16k, 16 sets of
+# 2048 keys, from 5.13 to 4.42 ms (one launch instead of two) and 64k from 35.98 / 40.34 to
+# 34.40 / 38.95 ms (1 / 4 sets; H100, docs/PERF_LOG.md).
+SELECTION_MASK_BYTES = 512 << 20
 
 
 def selection_mask_size(lq: int, lk: int, q_block: int, kv_block: int, causal: bool, row_offset: int):
@@ -277,6 +280,31 @@ def _block_cap(qb: int, lq: int, lk: int, q_block: int, kv_block: int, causal: b
     return 0 if last_key < 0 else min(nkb, last_key // kv_block + 1)
 
 
+def selection_chunks(bg: int, lq: int, lk: int, q_block: int, kv_block: int, causal: bool) -> list[tuple[int, int]]:
+    """The query chunks [r0, r1) of a masked-block call, whole query blocks each: as few as keep
+    the partial rows they may list (bg = batch x groups of them per query block, q_block x
+    kv_block bits each; under causal only the key blocks a query block sees) within
+    SELECTION_MASK_BYTES, of near-equal size (each chunk is one launch, with its own tail). A
+    query block whose rows alone exceed the budget is a chunk of its own."""
+    row_bytes = bg * q_block * kv_block // 8
+    needs = [_block_cap(qi, lq, lk, q_block, kv_block, causal, lk - lq) * row_bytes for qi in range(-(-lq // q_block))]
+    total = sum(needs)
+    if total <= SELECTION_MASK_BYTES:
+        return [(0, lq)] if lq else []
+    # Cuts at every total / n of the running sum: a chunk holds less than total / n plus one block.
+    n = -(-total // max(SELECTION_MASK_BYTES - max(needs), 1))
+    chunks, r0, held, cut = [], 0, 0, 1
+    for qi, need in enumerate(needs):
+        if held * n >= cut * total and qi * q_block > r0:
+            chunks.append((r0, qi * q_block))
+            r0 = qi * q_block
+            while held * n >= cut * total:
+                cut += 1
+        held += need
+    chunks.append((r0, lq))
+    return chunks
+
+
 def selection_blocks(
     query, key, value, indices, scale, causal: bool, block: tuple[int, int] = (128, 128), entry_block: int = 1
 ):
@@ -290,11 +318,8 @@ def selection_blocks(
     b, h, lq = query.shape[0], query.shape[1], query.shape[2]
     lk, g = key.shape[2], indices.shape[1]
     qb, kvb = block
-    per_block = b * g * -(-lk // kvb) * qb * kvb // 8  # bits of one query block's partial rows, at most
-    rows = max(1, SELECTION_MASK_BYTES // max(per_block, 1)) * qb
     outs, lses = [], []
-    for r0 in range(0, lq, rows):
-        r1 = min(lq, r0 + rows)
+    for r0, r1 in selection_chunks(b * g, lq, lk, qb, kvb, causal):
         num, kvi, kvp, words = _ops._selection_mask.default(
             indices[:, :, r0:r1], lk, h, qb, kvb, causal, lk - lq + r0, entry_block
         )

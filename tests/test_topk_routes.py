@@ -168,9 +168,29 @@ def test_masked_block_route_gradients_equal_gather(dtype, sinks, device):
 def test_masked_block_route_in_query_chunks_equals_one_call(device, monkeypatch):
     q, kk, v = make_qkv(1, 2, 2, 520, 520, 64, dtype=torch.float32, device=device, seed=6)
     whole = run_route("masked_block", q, kk, v, 30, causal=True, return_lse=True)
-    monkeypatch.setattr(_routes, "SELECTION_MASK_BYTES", 2 * 5 * 128 * 128 // 8)  # two query blocks a call
+    # Five causal partial rows a call (query blocks see 1, 2, ..., 5 key blocks): a block a call.
+    monkeypatch.setattr(_routes, "SELECTION_MASK_BYTES", 2 * 5 * 128 * 128 // 8)
+    assert len(_routes.selection_chunks(2, 520, 520, 128, 128, True)) == 5
     parts = run_route("masked_block", q, kk, v, 30, causal=True, return_lse=True)
     assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lq, lk", [(1, 1), (520, 520), (300, 1000), (1000, 300), (4096, 4096)])
+def test_selection_chunks_cover_the_queries_within_the_budget(monkeypatch, causal, lq, lk):
+    monkeypatch.setattr(_routes, "SELECTION_MASK_BYTES", 7 * 128 * 128 // 8)  # seven partial rows
+    chunks = _routes.selection_chunks(1, lq, lk, 128, 128, causal)
+    assert chunks[0][0] == 0 and chunks[-1][1] == lq
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+    for r0, r1 in chunks:
+        assert r0 % 128 == 0 and r0 < r1
+        rows, _ = _routes.selection_mask_size(r1 - r0, lk, 128, 128, causal, lk - lq + r0)
+        assert rows <= 7 or r1 - r0 <= 128, (r0, r1, rows)  # over the budget only as one block
+    total, widest = _routes.selection_mask_size(lq, lk, 128, 128, causal, lk - lq)
+    if total <= 7:
+        assert chunks == [(0, lq)]
+    else:  # as many as chunks of the budget less one block's rows hold, none empty
+        assert len(chunks) <= -(-total // max(7 - widest, 1))
 
 
 def test_route_choice_follows_the_cost_model():
@@ -246,6 +266,7 @@ def test_measured_union_picks_the_block_route_for_clustered_selections(monkeypat
     first key block (sinks) touches one block per query block, and its measured union turns the
     choice; a random selection of the same size keeps the gather."""
     monkeypatch.setitem(_plan._UNION_MEASURE_BYTES_PER_S, "cpu", 1e15)  # measuring made free
+    monkeypatch.setitem(_plan._UNION_MEASURE_FIXED_S, "cpu", 0.0)
     q, kk, v = make_qkv(1, 4, 4, 2048, 2048, 64, dtype=torch.float32, seed=8)
     sinks = torch.arange(16, dtype=torch.int32).expand(1, 4, 2048, 16).contiguous()
     spread = random_selection(1, 4, 2048, 2048, 16, True, seed=9, device="cpu", pad=0.0)
@@ -253,6 +274,9 @@ def test_measured_union_picks_the_block_route_for_clustered_selections(monkeypat
     assert _plan.measured_selection_route(q, kk, v, sinks, 16, True).kind == "masked_block"
     assert _plan.measured_selection_route(q, kk, v, spread, 16, True).kind == "gather"
     assert _routes.selection_union(sinks, 2048, 2048, 1, True) == pytest.approx(16 / 136)
+    monkeypatch.setitem(_plan._UNION_MEASURE_FIXED_S, "cpu", 1.0)  # the host's round trip too dear: shapes decide
+    assert _plan.measured_selection_route(q, kk, v, sinks, 16, True).kind == "gather"
+    monkeypatch.setitem(_plan._UNION_MEASURE_FIXED_S, "cpu", 0.0)
     monkeypatch.setitem(_plan._UNION_MEASURE_BYTES_PER_S, "cpu", 1.0)  # measuring too dear: shapes decide
     assert _plan.measured_selection_route(q, kk, v, sinks, 16, True).kind == "gather"
 
@@ -279,6 +303,7 @@ def test_sampled_union(monkeypatch):
     clustered = torch.arange(16, dtype=torch.int32).expand(1, 4, 2048, 16).contiguous()
     gather = _plan.selection_route(q, kk, v, 4, 16, True).args[0]
     per_block = 4 * 128 * 16  # entries of one query block; the selection holds 16 blocks' worth
+    monkeypatch.setitem(_plan._UNION_MEASURE_FIXED_S, "cpu", 0.0)
     for blocks_affordable, kind in ((10, "masked_block"), (6, "gather")):
         rate = blocks_affordable * per_block * 8 / (_plan._UNION_MEASURE_SHARE * gather)
         monkeypatch.setitem(_plan._UNION_MEASURE_BYTES_PER_S, "cpu", rate)
