@@ -116,7 +116,15 @@ _CPU_PARTIAL_COST = 1.3
 
 
 def selection_route(
-    query, key, value, groups: int, k: int, causal: bool, cuda: bool | None = None, union: float | None = None
+    query,
+    key,
+    value,
+    groups: int,
+    k: int,
+    causal: bool,
+    cuda: bool | None = None,
+    union: float | None = None,
+    union_how: str = "measured",
 ) -> Route:
     """How topk_attention attends over a selection of its own making (distinct keys per row):
     ``gather`` (each query loads its k rows; a row serves the query heads that share it) or
@@ -129,7 +137,8 @@ def selection_route(
     gradients, the block route (its backward is deterministic). ``overrides(topk_attention_route=...)``
     forces one. ``cuda``: the model of
     that device kind instead of the query's (explain's target). ``union``: the share of the block
-    pairs the selection touches, when measured (selection_union), instead of 1."""
+    pairs the selection touches, when measured (selection_union), instead of 1; ``union_how``: how
+    it was (for the reason given)."""
     forced = _current["topk_attention_route"]
     if forced in ("gather", "masked_block"):
         return Route(forced, (), f"forced by overrides(topk_attention_route={forced!r})")
@@ -160,7 +169,7 @@ def selection_route(
         block = share * _CPU_PARTIAL_COST * b * h * visible * (d + dv) / 2 * _CPU_PAIR_S.get(query.dtype, 0.017e-9)
     estimate = "estimated while tracing"  # symbolic shapes: no numbers to print
     if not torch.compiler.is_compiling():
-        pairs = "every visible pair" if union is None else f"the measured union ({union:.3f} of the pairs)"
+        pairs = "every visible pair" if union is None else f"the union ({union_how}: {union:.3f} of the pairs)"
         estimate = f"estimated gather {gather * 1e3:.3g} ms, block kernel over {pairs} {block * 1e3:.3g} ms"
     if gather <= block:
         return Route("gather", (gather,), f"gathered rows cost less than the block kernel ({estimate})")
@@ -186,6 +195,23 @@ _UNION_MEASURE_BYTES_PER_S = {"cuda": 0.15e12, "cpu": 0.25e9}
 _UNION_MEASURE_FIXED_S = {"cuda": 0.7e-3, "cpu": 0.1e-3}
 
 
+def union_measure(route: Route, query, entries_shape, cuda: bool | None = None) -> tuple[int, int] | None:
+    """Whether an eager call measures a selection's union before choosing again: None where shapes
+    decide (the route is not the gather, or measuring would cost more than its share of it), else
+    (entries measurable, query blocks measured of the selection's). ``entries_shape``: (B, G, Lq, k)."""
+    if route.kind != "gather" or not route.args:
+        return None
+    kind = "cuda" if (query.device.type == "cuda" if cuda is None else cuda) else "cpu"
+    spare = _UNION_MEASURE_SHARE * route.args[0] - _UNION_MEASURE_FIXED_S[kind]  # the share, less the fixed cost
+    budget = int(spare * _UNION_MEASURE_BYTES_PER_S[kind] / 8)  # entries measurable in it
+    b, g, lq, k = entries_shape
+    per_block, nqb = b * g * 128 * k, -(-lq // 128)
+    if budget < min(b * g * lq * k, _UNION_MIN_SAMPLE_BLOCKS * per_block):
+        return None
+    blocks = nqb if b * g * lq * k <= budget else max(1, min(nqb, budget // max(1, per_block)))
+    return budget, blocks
+
+
 def measured_selection_route(query, key, value, entries, k_tokens: int, causal: bool, entry_block: int = 1) -> Route:
     """selection_route; then, where it chose the gather and a selection's union could beat it, in an
     eager call (no tracing, no graph capture), the union measured (_routes.selection_union: one pass
@@ -195,16 +221,14 @@ def measured_selection_route(query, key, value, entries, k_tokens: int, causal: 
     from . import _routes
 
     route = selection_route(query, key, value, entries.shape[1], k_tokens, causal)
-    if route.kind != "gather" or not route.args or not _routes.can_synchronize(query):
+    measure = union_measure(route, query, tuple(entries.shape))
+    if measure is None or not _routes.can_synchronize(query):
         return route
-    kind = "cuda" if query.device.type == "cuda" else "cpu"
-    spare = _UNION_MEASURE_SHARE * route.args[0] - _UNION_MEASURE_FIXED_S[kind]  # the share, less the fixed cost
-    budget = int(spare * _UNION_MEASURE_BYTES_PER_S[kind] / 8)  # entries measurable in it
-    per_block = entries.shape[0] * entries.shape[1] * 128 * entries.shape[-1]
-    if budget < min(entries.numel(), _UNION_MIN_SAMPLE_BLOCKS * per_block):
-        return route
+    budget, blocks = measure
     union = _routes.selection_union(entries, query.shape[2], key.shape[2], entry_block, causal, max_entries=budget)
-    return selection_route(query, key, value, entries.shape[1], k_tokens, causal, union=union)
+    nqb = -(-query.shape[2] // 128)
+    how = "measured" if blocks >= nqb else f"estimated on {blocks} of {nqb} query blocks"
+    return selection_route(query, key, value, entries.shape[1], k_tokens, causal, union=union, union_how=how)
 
 
 # ------------------------------------------------------------------------------------ plans
@@ -469,6 +493,19 @@ def _masked_launches(q, k, v, on_cuda: bool, tgt) -> tuple[Launch, ...]:
     return (lists, _block_sparse_launch(q, k, v, 128, 128, tgt))
 
 
+def _measure_note(attend: Route, q, entries_shape, on_cuda: bool) -> str:
+    """What an eager call adds to explain's shapes-only choice: its measure of the selection's union."""
+    measure = union_measure(attend, q, entries_shape, on_cuda)
+    if measure is None:
+        return ""
+    nqb = -(-entries_shape[2] // 128)
+    over = "its entries" if measure[1] >= nqb else f"the entries of {measure[1]} of its {nqb} query blocks"
+    return (
+        f"; an eager call first measures the selection's union (over {over}, one host read) and takes the "
+        "masked block route where that union makes it cheaper"
+    )
+
+
 def _explain_topk(a, tgt) -> Plan:
     q, k, v = a["query"], a["key"], a["value"]
     on_cuda = q.device.type == "cuda" or tgt[0] != 0
@@ -478,6 +515,7 @@ def _explain_topk(a, tgt) -> Plan:
         tokens = idx.shape[3] * (a["block_size"] or 1)
         attend = selection_route(q, k, v, heads, tokens, bool(a["causal"]), on_cuda)
         why = f"a selection made elsewhere (indices=), repeats dropped; attention over it: {attend.kind}, {attend.why}"
+        why += _measure_note(attend, q, tuple(idx.shape), on_cuda)
         if attend.kind == "masked_block" and a["key_lengths"] is None:
             return Plan("topk_attention", "user_topk", why, _masked_launches(q, k, v, on_cuda, tgt))
         return Plan("topk_attention", "user_topk", why, (_gather_launch(q, k, v, heads, tgt),))
@@ -504,6 +542,7 @@ def _explain_topk(a, tgt) -> Plan:
         heads = q.shape[1]
     attend = selection_route(q, k, v, heads, a["k"], causal, on_cuda)
     why = f"{route.why}; attention over it: {attend.kind}, {attend.why}"
+    why += _measure_note(attend, q, (q.shape[0], heads, q.shape[2], a["k"]), on_cuda)
     if attend.kind == "masked_block":
         return Plan("topk_attention", route.kind, why, (select, *_masked_launches(q, k, v, on_cuda, tgt)))
     return Plan("topk_attention", route.kind, why, (select, _gather_launch(q, k, v, heads, tgt)))

@@ -307,7 +307,22 @@ def test_sampled_union(monkeypatch):
     for blocks_affordable, kind in ((10, "masked_block"), (6, "gather")):
         rate = blocks_affordable * per_block * 8 / (_plan._UNION_MEASURE_SHARE * gather)
         monkeypatch.setitem(_plan._UNION_MEASURE_BYTES_PER_S, "cpu", rate)
-        assert _plan.measured_selection_route(q, kk, v, clustered, 16, True).kind == kind, blocks_affordable
+        route = _plan.measured_selection_route(q, kk, v, clustered, 16, True)
+        assert route.kind == kind, blocks_affordable
+        if kind == "masked_block":  # the reason says how the union was known
+            assert "estimated on 10 of 16 query blocks" in route.why, route.why
+
+
+def test_explain_says_when_a_call_measures_the_union():
+    """explain chooses from shapes; where an eager call would measure the union first (the gather
+    long enough: 16 K/V heads at 64k, k = 256), its reason says so, and how much it reads."""
+    big = torch.empty(1, 16, 65536, 128, dtype=torch.bfloat16)  # never read
+    plan = sparse_attn.explain("topk_attention", big, big, big, 256, causal=True, target="sm90")
+    assert "an eager call first measures the selection's union" in plan.why
+    assert "13 of its 512 query blocks" in plan.why
+    small = torch.empty(1, 16, 4096, 128, dtype=torch.bfloat16)
+    plan = sparse_attn.explain("topk_attention", small, small, small, 256, causal=True, target="sm90")
+    assert "gather" in plan.why and "measures" not in plan.why  # 1.3 ms of gather: shapes decide
 
 
 def test_selection_mask_of_a_long_key_sequence(device):
