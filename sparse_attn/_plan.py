@@ -195,10 +195,11 @@ _UNION_MEASURE_BYTES_PER_S = {"cuda": 0.15e12, "cpu": 0.25e9}
 _UNION_MEASURE_FIXED_S = {"cuda": 0.7e-3, "cpu": 0.1e-3}
 
 
-def union_measure(route: Route, query, entries_shape, cuda: bool | None = None) -> tuple[int, int] | None:
+def union_measure(route: Route, query, entries_shape, cuda: bool | None = None) -> tuple[int, int, int] | None:
     """Whether an eager call measures a selection's union before choosing again: None where shapes
     decide (the route is not the gather, or measuring would cost more than its share of it), else
-    (entries measurable, query blocks measured of the selection's). ``entries_shape``: (B, G, Lq, k)."""
+    (entries measurable, query blocks measured, the selection's query blocks). ``entries_shape``:
+    (B, G, Lq, k)."""
     if route.kind != "gather" or not route.args:
         return None
     kind = "cuda" if (query.device.type == "cuda" if cuda is None else cuda) else "cpu"
@@ -209,7 +210,7 @@ def union_measure(route: Route, query, entries_shape, cuda: bool | None = None) 
     if budget < min(b * g * lq * k, _UNION_MIN_SAMPLE_BLOCKS * per_block):
         return None
     blocks = nqb if b * g * lq * k <= budget else max(1, min(nqb, budget // max(1, per_block)))
-    return budget, blocks
+    return budget, blocks, nqb
 
 
 def measured_selection_route(query, key, value, entries, k_tokens: int, causal: bool, entry_block: int = 1) -> Route:
@@ -224,9 +225,8 @@ def measured_selection_route(query, key, value, entries, k_tokens: int, causal: 
     measure = union_measure(route, query, tuple(entries.shape))
     if measure is None or not _routes.can_synchronize(query):
         return route
-    budget, blocks = measure
+    budget, blocks, nqb = measure
     union = _routes.selection_union(entries, query.shape[2], key.shape[2], entry_block, causal, max_entries=budget)
-    nqb = -(-query.shape[2] // 128)
     how = "measured" if blocks >= nqb else f"estimated on {blocks} of {nqb} query blocks"
     return selection_route(query, key, value, entries.shape[1], k_tokens, causal, union=union, union_how=how)
 
@@ -498,8 +498,8 @@ def _measure_note(attend: Route, q, entries_shape, on_cuda: bool) -> str:
     measure = union_measure(attend, q, entries_shape, on_cuda)
     if measure is None:
         return ""
-    nqb = -(-entries_shape[2] // 128)
-    over = "its entries" if measure[1] >= nqb else f"the entries of {measure[1]} of its {nqb} query blocks"
+    _, blocks, nqb = measure
+    over = "its entries" if blocks >= nqb else f"the entries of {blocks} of its {nqb} query blocks"
     return (
         f"; an eager call first measures the selection's union (over {over}, one host read) and takes the "
         "masked block route where that union makes it cheaper"
