@@ -206,12 +206,12 @@ def union_measure(route: Route, query, entries_shape, cuda: bool | None = None) 
     kind = "cuda" if (query.device.type == "cuda" if cuda is None else cuda) else "cpu"
     spare = _UNION_MEASURE_SHARE * route.args[0] - _UNION_MEASURE_FIXED_S[kind]  # the share, less the fixed cost
     budget = int(spare * _UNION_MEASURE_BYTES_PER_S[kind] / 8)  # entries measurable in it
+    from . import _routes
+
     b, g, lq, k = entries_shape
-    per_block, nqb = b * g * 128 * k, -(-lq // 128)
-    if budget < min(b * g * lq * k, _UNION_MIN_SAMPLE_BLOCKS * per_block):
+    if budget < min(b * g * lq * k, _UNION_MIN_SAMPLE_BLOCKS * b * g * 128 * k):
         return None
-    blocks = nqb if b * g * lq * k <= budget else max(1, min(nqb, budget // max(1, per_block)))
-    return budget, blocks, nqb
+    return budget, _routes.union_sample_blocks(entries_shape, budget), -(-lq // 128)
 
 
 def measured_selection_route(query, key, value, entries, k_tokens: int, causal: bool, entry_block: int = 1) -> Route:

@@ -340,6 +340,16 @@ def can_synchronize(query) -> bool:
     return not (query.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def union_sample_blocks(entries_shape, max_entries: int | None, block: int = 128) -> int:
+    """Query blocks selection_union measures for a selection of ``entries_shape`` (B, G, Lq, k):
+    all of them, or where it holds more than ``max_entries``, as many as hold at most that (>= 1)."""
+    b, g, lq, k = entries_shape
+    nqb = -(-lq // block)
+    if max_entries is None or b * g * lq * k <= max_entries:
+        return nqb
+    return max(1, min(nqb, max_entries // max(1, b * g * block * k)))
+
+
 def selection_union(
     entries, lq: int, lk: int, entry_block: int, causal: bool, block: int = 128, max_entries: int | None = None
 ) -> float:
@@ -353,8 +363,8 @@ def selection_union(
     nqb, nkb = -(-lq // block), -(-lk // block)
     dev = entries.device
     blocks = list(range(nqb))
-    if max_entries is not None and entries.numel() > max_entries:
-        n = max(1, min(nqb, max_entries // max(1, b * g * block * k)))
+    n = union_sample_blocks((b, g, lq, k), max_entries, block)
+    if n < nqb:
         blocks = sorted({(2 * i + 1) * nqb // (2 * n) for i in range(n)})  # the middles of n equal parts
     rows = torch.arange(lq)
     if len(blocks) < nqb:  # (built on the host: no synchronisation before the one read below)
