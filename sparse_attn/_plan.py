@@ -107,8 +107,8 @@ def _sum_clamped(n: int, start: int, lo: int, hi: int) -> int:
 # the block kernel, the build included.
 _CUDA_GATHER_BYTES_PER_S = 6.4e12
 _CUDA_PAIR_FLOPS_PER_S = {torch.float32: 2.0e13, torch.bfloat16: 6.0e14, torch.float16: 6.0e14}
-_CUDA_MASK_BYTES_PER_S = 2.2e12
-_CUDA_MASK_CTA_ENTRIES_PER_S = 0.35e9
+_CUDA_MASK_BYTES_PER_S = 3.1e12
+_CUDA_MASK_CTA_ENTRIES_PER_S = 0.41e9
 _CPU_GATHER_S = {torch.float32: 0.23e-9, torch.bfloat16: 0.20e-9, torch.float16: 0.20e-9}
 _CPU_PAIR_S = {torch.float32: 0.017e-9, torch.bfloat16: 0.008e-9, torch.float16: 0.017e-9}
 _PARTIAL_COST = {64: 1.45, 128: 1.25}  # CUDA, by head dim: at 64 the softmax (and the masking) weighs more

@@ -1,10 +1,11 @@
 // A selection (of keys or key blocks) as a block-sparse mask (layout: sparse_attn/selection_mask.h),
 // the same lists and bits as the CPU builder. One CTA per (query block, group, batch), one thread per query row:
 // the thread walks its row's selection, keeps the bits of the key block it is in (two 64-bit
-// registers) and ORs them into its own words of that block's partial row when the block changes
-// (a read-modify-write of memory only it writes: any order of the selection is right, an
-// ascending one writes each word once). The touched key blocks are a bitmap in shared memory;
-// then each warp checks some of them for fullness and the lists are written ascending.
+// registers) and puts them into its own words of that block's partial row when the block changes:
+// stored while the row ascends (each word written once, over the caller's zeros, nothing read), ORed
+// in by fire-and-forget atomics once it has turned back (any order of the selection is right). The
+// touched key blocks are a bitmap in shared memory; then each warp checks some of them for fullness
+// and the lists are written ascending.
 #include "sparse_attn/cuda/cuda_check.h"
 #include "sparse_attn/cuda/topk.h"
 
@@ -12,11 +13,21 @@ namespace sparse_attn {
 namespace cuda {
 namespace {
 
-__device__ __forceinline__ void flush_bits(uint32_t* row_words, int words, uint64_t lo, uint64_t hi) {
-  const uint32_t part[4] = {uint32_t(lo), uint32_t(lo >> 32), uint32_t(hi), uint32_t(hi >> 32)};
-#pragma unroll
-  for (int w = 0; w < 4; ++w)
-    if (w < words && part[w] != 0) row_words[w] |= part[w];
+// A row's bits of one block into its words. `first`: the block was not written before (a row that
+// has ascended so far), so the words still hold the caller's zeros: stored without reading them.
+// Otherwise ORed in by atomics whose result is unused (reductions: no load the thread waits on).
+__device__ __forceinline__ void flush_bits(uint32_t* row_words, int words, uint64_t lo, uint64_t hi, bool first) {
+  if (first) {
+    if (words == 4)
+      *reinterpret_cast<uint4*>(row_words) =
+          make_uint4(uint32_t(lo), uint32_t(lo >> 32), uint32_t(hi), uint32_t(hi >> 32));
+    else
+      *reinterpret_cast<uint2*>(row_words) = make_uint2(uint32_t(lo), uint32_t(lo >> 32));
+    return;
+  }
+  auto* w64 = reinterpret_cast<unsigned long long*>(row_words);
+  if (lo) atomicOr(w64, (unsigned long long)lo);
+  if (words == 4 && hi) atomicOr(w64 + 1, (unsigned long long)hi);
 }
 
 __global__ void selection_mask_kernel(const SelectionMaskParams p) {
@@ -45,12 +56,14 @@ __global__ void selection_mask_kernel(const SelectionMaskParams p) {
     const int32_t* row = p.indices + b * p.idx_batch_stride + g * p.idx_group_stride +
                          (int64_t(qb) * p.q_block + tid) * p.idx_row_stride;
     int cur = -1;
+    bool ascending = true;  // every block so far above the one before: cur not written yet
     uint64_t lo = 0, hi = 0;
     const int64_t row_global = int64_t(qb) * p.q_block + tid;
     const int64_t limit = p.causal ? min(int64_t(p.lk), row_global + p.row_offset + 1) : int64_t(p.lk);
     auto add = [&](int kb, uint64_t lo_bits, uint64_t hi_bits) {
       if (kb != cur) {
-        if (cur >= 0) flush_bits(p.words + ((first_pair + cur) * p.q_block + tid) * words, words, lo, hi);
+        if (cur >= 0) flush_bits(p.words + ((first_pair + cur) * p.q_block + tid) * words, words, lo, hi, ascending);
+        ascending = ascending && kb > cur;
         cur = kb;
         lo = hi = 0;
         atomicOr(&touched[kb >> 5], 1u << (kb & 31));
@@ -95,7 +108,7 @@ __global__ void selection_mask_kernel(const SelectionMaskParams p) {
       }
     }
     for (; j < p.k; ++j) take(__ldg(row + j));
-    if (cur >= 0) flush_bits(p.words + ((first_pair + cur) * p.q_block + tid) * words, words, lo, hi);
+    if (cur >= 0) flush_bits(p.words + ((first_pair + cur) * p.q_block + tid) * words, words, lo, hi, ascending);
   }
   __syncthreads();  // the rows' words and the touched bitmap, visible to the whole block
 
@@ -112,7 +125,7 @@ __global__ void selection_mask_kernel(const SelectionMaskParams p) {
       for (int i = 0; i < words; ++i) {
         const int bits = min(32, max(0, keys - 32 * i));
         const uint32_t want = bits == 32 ? ~0u : (1u << bits) - 1u;
-        all = all && (w[i] & want) == want;
+        all = all && (__ldcg(w + i) & want) == want;  // from L2, where the atomics landed
       }
     }
     if (__all_sync(0xffffffffu, all) && lane == 0) atomicOr(&full[kb >> 5], 1u << (kb & 31));
