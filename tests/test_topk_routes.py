@@ -68,6 +68,12 @@ def test_selection_mask_lists_and_bits(dims, blocks, ascending, device):
     b, g, h, lq, lk, k, causal = dims
     qb, kvb = blocks
     idx = random_selection(b, g, lq, lk, k, causal, seed=lq + k, device=device, ascending=ascending)
+    check_selection_mask(idx, lk, h, qb, kvb, causal)
+
+
+def check_selection_mask(idx, lk, h, qb, kvb, causal):
+    """_selection_mask of idx against expected_mask: the lists, full blocks, each partial row's bits."""
+    b, g, lq, _ = idx.shape
     num, kvi, kvp, words = _ops._selection_mask(idx, lk, h, qb, kvb, causal, lk - lq)
     want = expected_mask(idx, lk, g, qb, kvb)
     out_heads = 1 if g == 1 else h
@@ -92,6 +98,28 @@ def test_selection_mask_lists_and_bits(dims, blocks, ascending, device):
                         assert not every, "a block every row selected whole must be listed full"
                         got = decode_bits(words[p], kvb)
                         assert torch.equal(got[rows_valid[q]], bits[rows_valid[q]]), (bi, hh, q, kb)
+
+
+@pytest.mark.parametrize("blocks", [(128, 128), (64, 64)], ids=str)
+def test_selection_mask_over_many_key_blocks_and_rows_out_of_order(blocks, device):
+    """Selections over more key blocks than the CUDA builder's shared-memory chunk (16 blocks of
+    128, 64 of 64): blocks every row takes whole, and rows out of order where only a late part or
+    the entries after a -1 show it (the builder must notice and still be exact)."""
+    qb, kvb = blocks
+    lq, lk, k = 200, 9000, 700
+    idx = random_selection(1, 2, lq, lk, k, True, seed=7, device="cpu").clone()
+    whole = torch.arange(50 * kvb, 51 * kvb, dtype=torch.int32)  # key block 50, in every row
+    idx[0, 0, :, :kvb] = whole
+    rows = torch.where(idx[0, 0] >= 0, idx[0, 0], lk).sort(-1).values
+    idx[0, 0] = torch.where(rows < lk, rows, -1)
+    check_selection_mask(idx.to(device), lk, 4, qb, kvb, True)  # ascending (the op's form)
+    late = idx.clone()
+    late[0, 1, 5, -60:] = late[0, 1, 5, -60:].flip(-1)  # descends only in its last entries
+    check_selection_mask(late.to(device), lk, 4, qb, kvb, True)
+    gap = idx.clone()
+    gap[0, 0, 150, 10:] = -1
+    gap[0, 0, 150, 40] = 8000  # a key after the row's -1s
+    check_selection_mask(gap.to(device), lk, 4, qb, kvb, True)
 
 
 def test_selection_mask_fake_matches_real():
