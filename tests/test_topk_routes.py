@@ -102,9 +102,9 @@ def check_selection_mask(idx, lk, h, qb, kvb, causal):
 
 @pytest.mark.parametrize("blocks", [(128, 128), (64, 64)], ids=str)
 def test_selection_mask_over_many_key_blocks_and_rows_out_of_order(blocks, device):
-    """Selections over more key blocks than the CUDA builder's shared-memory chunk (16 blocks of
-    128, 64 of 64): blocks every row takes whole, and rows out of order where only a late part or
-    the entries after a -1 show it (the builder must notice and still be exact)."""
+    """Selections over many key blocks (70 of 128 keys, 141 of 64): a block every row takes whole,
+    a row that ascends and then turns back late (its blocks stored first, then ORed into), and a
+    key after a row's -1s."""
     qb, kvb = blocks
     lq, lk, k = 200, 9000, 700
     idx = random_selection(1, 2, lq, lk, k, True, seed=7, device="cpu").clone()
@@ -114,7 +114,9 @@ def test_selection_mask_over_many_key_blocks_and_rows_out_of_order(blocks, devic
     idx[0, 0] = torch.where(rows < lk, rows, -1)
     check_selection_mask(idx.to(device), lk, 4, qb, kvb, True)  # ascending (the op's form)
     late = idx.clone()
-    late[0, 1, 5, -60:] = late[0, 1, 5, -60:].flip(-1)  # descends only in its last entries
+    valid = int((late[0, 1, 5] >= 0).sum())
+    late[0, 1, 5, valid - 200 : valid - 100] = late[0, 1, 5, valid - 200 : valid - 100].flip(-1)  # turns back late
+    assert (late[0, 1, 5, 1:valid] < late[0, 1, 5, : valid - 1]).any()
     check_selection_mask(late.to(device), lk, 4, qb, kvb, True)
     gap = idx.clone()
     gap[0, 0, 150, 10:] = -1
