@@ -35,6 +35,8 @@ def check_inputs(query, key, value) -> None:
 def scale(value) -> float | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise TypeError(f"scale must be a float or None, got {type(value).__name__}")
+    if value is not None and not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {value}")
     return None if value is None else float(value)
 
 

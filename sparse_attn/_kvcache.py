@@ -104,22 +104,38 @@ def composite(
     left: int,
     right: int,
 ):
-    """The reference semantics with PyTorch ops and ``dense_fwd`` (validate() must have passed)."""
+    """The reference semantics with PyTorch ops and ``dense_fwd``, unchecked values handled as the
+    kernel handles them: lengths clamped to [0, capacity], new tokens past the cache or in a page
+    outside it dropped, a page outside the cache read as zeros."""
     b, h, lq, _ = query.shape
     cap = capacity(key_cache, block_table)
     dev = query.device
-    seqlens = cache_seqlens.long()
-    if key is not None:
+    seqlens = cache_seqlens.long().clamp(0, cap)
+    page_ok = None  # (B, cap): the position's page lies in the cache (paged caches)
+    if block_table is not None:
+        num_pages, page_size = key_cache.shape[0], key_cache.shape[1]
+        table = block_table.long()
+        page_ok = ((table >= 0) & (table < num_pages)).repeat_interleave(page_size, dim=1)[:, :cap]
+    if key is not None and cap > 0:
         pos = seqlens[:, None] + torch.arange(lq, device=dev)  # (B, Lq)
-        if block_table is None:
+        kept = pos < cap
+        if block_table is None:  # a dropped token goes to a spare position past the cache
             rows = torch.arange(b, device=dev)[:, None].expand(b, lq)
-            key_cache[rows, :, pos] = key.transpose(1, 2)
-            value_cache[rows, :, pos] = value.transpose(1, 2)
-        else:
-            page_size = key_cache.shape[1]
-            page = block_table.long().gather(1, pos // page_size)
-            key_cache[page, pos % page_size] = key.transpose(1, 2)
-            value_cache[page, pos % page_size] = value.transpose(1, 2)
+            at = (rows, slice(None), torch.where(kept, pos, cap))
+            spare = 2
+        else:  # ... or to a spare page
+            page = table.gather(1, pos.clamp(max=cap - 1) // page_size)
+            kept = kept & (page >= 0) & (page < num_pages)
+            at = (torch.where(kept, page, num_pages), pos % page_size)
+            spare = 0
+        every = not torch.compiler.is_compiling() and bool(kept.all())  # the usual case: written in place
+        for cache, new_rows in ((key_cache, key), (value_cache, value)):
+            if every:
+                cache[at] = new_rows.transpose(1, 2)
+                continue
+            padded = torch.cat([cache, cache.narrow(spare, 0, 1)], spare)
+            padded[at] = new_rows.transpose(1, 2)
+            cache.copy_(padded.narrow(spare, 0, cache.shape[spare]))
     new = lq if key is not None else 0
     total = (seqlens + new).clamp(max=cap)  # keys of each sequence
     off = seqlens + new - lq  # query i sits at position off + i
@@ -145,7 +161,7 @@ def composite(
         vis = vis & sel[:, :, None, :]
     # Rows past a sequence's length may hold anything (uninitialised memory): zero them so that
     # 0 * NaN never reaches a sum.
-    keep = exists[:, None, :, None]
+    keep = (exists if page_ok is None else exists & page_ok)[:, None, :, None]
     k = torch.where(keep, _cache_view(key_cache, block_table), 0)
     v = torch.where(keep, _cache_view(value_cache, block_table), 0)
     return _meta.forward(_ops.dense_fwd.default, query, k, v, vis, scale, False)
@@ -164,10 +180,31 @@ def topk_mask(
 ):
     """The decode mask of the k cache blocks a lightning indexer scores highest, per sequence
     (``kvcache_topk_mask``'s work; no host synchronisation)."""
-    if block_size not in (64, 128):
-        raise ValueError(f"block_size must be 64 or 128, got {block_size}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in (64, 128):
+        raise ValueError(f"block_size must be 64 or 128, got {block_size!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
         raise ValueError(f"k must be a positive int, got {k!r}")
+    for name, n in (("sinks", sinks), ("recent", recent)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    named = (
+        ("index_query", index_query),
+        ("index_weights", index_weights),
+        ("index_key_cache", index_key_cache),
+        ("cache_seqlens", cache_seqlens),
+    )
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.device != index_query.device:
+            raise ValueError(f"{name} must be on index_query's device ({index_query.device}), got {t.device}")
+    for name, t in named[:3]:
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if index_key_cache.dtype != index_query.dtype:
+        raise ValueError(
+            f"index_key_cache must have index_query's dtype ({index_query.dtype}), got {index_key_cache.dtype}"
+        )
     if index_query.dim() != 4 or index_weights.dim() != 3 or index_key_cache.dim() != 3:
         raise ValueError(
             "index_query must be (B, Lq, HI, DI), index_weights (B, Lq, HI) and index_key_cache (B, Lmax, DI), got "
@@ -177,8 +214,16 @@ def topk_mask(
     lmax = index_key_cache.shape[1]
     if index_weights.shape != (b, lq, hi) or index_key_cache.shape[0] != b or index_key_cache.shape[2] != di:
         raise ValueError("index_query, index_weights and index_key_cache disagree in B, Lq, HI or DI")
+    if min(lq, hi, di) < 1:
+        raise ValueError(
+            f"index_query must have at least one token, indexer head and channel, got {tuple(index_query.shape)}"
+        )
     if lq > 128:
         raise ValueError(f"a decode mask serves at most 128 new tokens, got {lq}")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (b,):
+        raise ValueError(
+            f"cache_seqlens must be int32 (B={b},), got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"
+        )
     dev = index_query.device
     # score(t) = sum_j w[j] relu(q_j . k_t), the max over the new tokens; past the length: -inf.
     # Two batched GEMMs (the index keys read in place): q . k for every (token, head), then the

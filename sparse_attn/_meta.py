@@ -326,7 +326,7 @@ def _dense_backward(ctx, grad_out, grad_lse):
             lq, lk = s.shape[-2:]
             visible = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
             s = s.masked_fill(~visible, float("-inf"))
-        m = s.amax(-1, keepdim=True)
+        m = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_zeros(*s.shape[:-1], 1)  # no keys: no max
         m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
         e = torch.exp(s - m)
         total = e.sum(-1, keepdim=True)
@@ -355,6 +355,9 @@ torch.library.register_autograd("sparse_attn::dense_fwd", _dense_backward, setup
 
 def tracks_grad(query, key, value) -> bool:
     """Whether a call on these inputs may need a gradient (grad mode on and one of them requires it)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):  # the first place an op's Python reads them
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
 
 

@@ -245,7 +245,8 @@ def selection_tokens(query, key, entries, block_size, causal: bool) -> torch.Ten
     tok = entries
     if block_size is not None:  # each listed block: its block_size keys
         offs = torch.arange(block_size, dtype=torch.int32, device=entries.device)
-        tok = torch.where(entries[..., None] >= 0, entries[..., None] * block_size + offs, -1).flatten(-2)
+        listed = (entries >= 0) & (entries < -(-lk // block_size))  # a block past the keys drops (no int32 wrap)
+        tok = torch.where(listed[..., None], entries[..., None] * block_size + offs, -1).flatten(-2)
     if causal:
         limit = torch.arange(lq, device=entries.device, dtype=torch.int32) + (lk - lq)  # last visible key per row
         tok = torch.where(tok <= limit[:, None], tok, -1)

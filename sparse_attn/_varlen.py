@@ -7,6 +7,7 @@ block-sparse call over the whole packed batch with the sequences' document mask
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -41,6 +42,13 @@ def check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_
             raise ValueError(f"{name} must be a packed 3-D tensor {layout}, got {getattr(t, 'shape', type(t))}")
     if key.shape[0] != value.shape[0]:
         raise ValueError(f"key and value must have the same total length, got {key.shape[0]} and {value.shape[0]}")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        try:
+            if isinstance(n, bool):
+                raise TypeError
+            operator.index(n)  # ints, NumPy's, 0-D integer tensors
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {n!r}") from None
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
             raise ValueError(f"{name} must be a 1-D int32 tensor (B + 1,), got {getattr(cu, 'dtype', type(cu))}")

@@ -26,6 +26,7 @@ two with a ragged tail, whatever its length).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -65,11 +66,17 @@ class ExactForm:
     b: int
 
 
-def _pair(x: int | Sequence[int]) -> tuple[int, int]:
-    if isinstance(x, int):
-        return (x, x)
-    q, k = x
-    return (int(q), int(k))
+def _pair(x: int | Sequence[int], name: str = "block_size") -> tuple[int, int]:
+    """An integer, or a pair of them (query side, key side), as a pair; else TypeError naming it."""
+    try:
+        if not isinstance(x, bool) and not isinstance(x, (tuple, list)):
+            v = operator.index(x)
+            return (v, v)
+        if isinstance(x, (tuple, list)) and len(x) == 2 and not any(isinstance(v, bool) for v in x):
+            return (operator.index(x[0]), operator.index(x[1]))
+    except TypeError:
+        pass
+    raise TypeError(f"{name} must be an int or a pair of ints, got {x!r}")
 
 
 def _check_block_size(block_size: tuple[int, int]) -> None:
@@ -171,6 +178,9 @@ class BlockSparseMask:
         block_size: int | tuple[int, int] = 128,
         validate: bool = True,
     ):
+        if not isinstance(seq_lengths, (tuple, list)) or len(seq_lengths) != 2:
+            raise TypeError(f"seq_lengths must be a pair (Lq, Lk) of ints, got {seq_lengths!r}")
+        seq_lengths = _pair(seq_lengths, "seq_lengths")
         self._assign(kv_num_blocks, kv_indices, kv_partial, partial_masks, seq_lengths, _pair(block_size))
         _check_block_size(self.block_size)
         self._check_layout()

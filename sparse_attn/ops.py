@@ -276,10 +276,11 @@ def topk_attention(
         -1 padded, of keys (``block_size=None``) or of key blocks of ``block_size`` tokens (64 or
         128), per query token. Each query attends to the listed keys (a listed block: all of its
         keys), under ``causal`` only the visible ones; a key or block listed more than once
-        counts once. ``k`` is then optional (the selection's last dimension). No selection runs;
-        the attention takes the route the cost model picks (gathered rows or the masked block
-        kernel, ``sparse_attn.explain`` says which); gradients flow to query, key and value as
-        for a selection made here.
+        counts once, and an entry outside the keys (or key blocks) counts as -1 (not read on the
+        host, so no error for it). ``k`` is then optional (the selection's last dimension). No
+        selection runs; the attention takes the route the cost model picks (gathered rows or the
+        masked block kernel, ``sparse_attn.explain`` says which); gradients flow to query, key and
+        value as for a selection made here. Not combined with ``sinks`` (list the sink keys).
     return_indices : bool
         Also return the selection, int32, ascending, -1 where fewer than k are visible:
         (B, H, Lq, k) per head, (B, 1, Lq, k) from the indexer, (B, H, nQb, k') key blocks in block
@@ -313,9 +314,13 @@ def topk_attention(
     torch.Size([1, 2, 256, 32])
     """
     scale = _args.scale(scale)
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)):
+        raise TypeError(f"block_size must be an int (64 or 128), got {type(block_size).__name__}")
     if indices is not None:
         if any(t is not None for t in (index_query, index_key, index_weights)):
             raise ValueError("indices is a selection made elsewhere: it cannot be combined with the indexer inputs")
+        if sinks:
+            raise ValueError(f"sinks={sinks!r} cannot be combined with indices: list the sink keys in the selection")
         _args.check_inputs(query, key, value)
         entries = _routes.user_selection(query, key, indices, k, block_size)
         per_entry = block_size or 1
@@ -540,8 +545,9 @@ def attention_with_kvcache(
         Check ``cache_seqlens`` and ``block_table`` against the cache (ValueError naming the
         entry). Default: on the CPU and on the composite path; on the CUDA kernel path only when
         True, since it reads them on the host (one synchronisation); never inside torch.compile.
-        Unchecked, the kernel still never reads or writes outside the cache: tokens past it and
-        pages outside it are dropped.
+        Unchecked, no path reads or writes outside the cache: lengths are clamped to [0, the
+        cache's capacity], new tokens past it or in a page outside it are dropped, and a page
+        outside it reads as zeros.
 
     Returns
     -------
@@ -715,6 +721,10 @@ def block_sparse_attention_varlen(
     :func:`flash_attention_varlen`.
     """
     bounds = _varlen.check(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if not callable(masks) and not isinstance(masks, (list, tuple)):
+        raise TypeError(
+            f"masks must be a list of masks (one per sequence) or a callable (Lq, Lk) -> mask, got {masks!r}"
+        )
     if not callable(masks) and len(masks) != len(bounds):
         raise ValueError(f"masks must have one mask per sequence ({len(bounds)}), got {len(masks)}")
     per_seq = iter(

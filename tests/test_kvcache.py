@@ -269,6 +269,40 @@ def test_bad_values(device):
         sparse_attn.attention_with_kvcache(q, kc, vc, lens, block_table=bt[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unchecked_bad_values_follow_the_kernel(device, dtype):
+    """validate=False: lengths clamped to [0, capacity], new tokens past the cache or in a page
+    outside it dropped (nothing else written), a page outside the cache read as zeros, on every
+    path (fp32: the composite; fp16 on CUDA: the kernel)."""
+    if dtype == torch.float16 and device == "cpu":
+        pytest.skip("the CPU takes fp16 through the composite too (covered by fp32)")
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 1, 64, device=device, dtype=dtype)
+    kn = torch.randn(2, 2, 1, 64, device=device, dtype=dtype)
+    run = sparse_attn.attention_with_kvcache
+    # Contiguous: a negative length appends at 0; a full cache drops its new token.
+    kc = torch.randn(2, 2, 48, 64, device=device, dtype=dtype)
+    vc, before = kc.clone(), kc.clone()
+    lens = torch.tensor([-3, 48], dtype=torch.int32, device=device)
+    out = run(q, kc, vc, lens, key=kn, value=kn, validate=False)
+    assert torch.equal(kc[0, :, 0], kn[0, :, 0]) and torch.equal(kc[0, :, 1:], before[0, :, 1:])
+    assert torch.equal(kc[1], before[1]) and torch.equal(vc[1], before[1])
+    ref = run(q, kc.clone(), vc.clone(), torch.tensor([1, 48], dtype=torch.int32, device=device))
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    # Paged: the new token of sequence 1 falls in a page the table lists as -1: dropped.
+    kc = torch.randn(6, 16, 2, 64, device=device, dtype=dtype)
+    vc, before = kc.clone(), kc.clone()
+    bt = torch.tensor([[0, 1, 2], [3, -1, 5]], dtype=torch.int32, device=device)
+    lens = torch.tensor([5, 20], dtype=torch.int32, device=device)
+    out = run(q, kc, vc, lens, key=kn, value=kn, block_table=bt, validate=False)
+    assert torch.equal(kc[0, 5], kn[0, :, 0]) and torch.equal(kc[1:], before[1:]) and torch.equal(vc[1:], before[1:])
+    # ... and its keys in that page read as zeros: as a valid page holding zeros.
+    zero_page = torch.cat([kc, torch.zeros_like(kc[:1])])
+    bt_zero = torch.tensor([[0, 1, 2], [3, 6, 5]], dtype=torch.int32, device=device)
+    ref = run(q, zero_page, torch.cat([vc, torch.zeros_like(vc[:1])]), lens + 1, block_table=bt_zero)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
 def test_bad_masks():
     q, kc, vc, lens, _ = _args()
     sel = torch.ones(1, 1, 1, 1, dtype=torch.bool)
@@ -465,6 +499,28 @@ def _h100_decode_plan(b, lq=1, length=8192, page_size=None):
         cache = cache.transpose(1, 2).reshape(b * length // page_size, page_size, 8, 128)
         kw["block_table"] = torch.arange(b * length // page_size, dtype=torch.int32).view(b, -1)
     return sparse_attn.explain(sparse_attn.attention_with_kvcache, q, cache, cache, full, target="sm90", **kw)
+
+
+def test_kvcache_topk_mask_bad_input():
+    iq, iw, ik = torch.randn(2, 1, 4, 64), torch.rand(2, 1, 4), torch.randn(2, 1024, 64)
+    lens = torch.tensor([100, 900], dtype=torch.int32)
+    run = sparse_attn.kvcache_topk_mask
+    cases = [
+        (lambda: run(iq, iw, ik, lens[:1], 3), ValueError, r"cache_seqlens must be int32 \(B=2,\)"),
+        (lambda: run(iq, iw, ik, lens.long(), 3), ValueError, "cache_seqlens must be int32"),
+        (lambda: run(iq, iw, ik, [100, 900], 3), TypeError, "cache_seqlens must be a tensor"),
+        (lambda: run(iq, iw, ik, lens, 3, sinks=-2), ValueError, "sinks must be a non-negative int"),
+        (lambda: run(iq, iw, ik, lens, 3, recent=True), ValueError, "recent must be a non-negative int"),
+        (lambda: run(iq, iw, ik, lens, 3, block_size=64.0), ValueError, "block_size must be 64 or 128"),
+        (lambda: run(iq.long(), iw, ik, lens, 3), ValueError, "index_query must be float32"),
+        (lambda: run(iq, iw, ik.double(), lens, 3), ValueError, "index_key_cache must be float32"),
+        (lambda: run(iq, iw, ik.half(), lens, 3), ValueError, "index_key_cache must have index_query's dtype"),
+        (lambda: run(iq[:, :, :0], iw[:, :, :0], ik, lens, 3), ValueError, "at least one token, indexer head"),
+        (lambda: run(iq, iw, ik.to("meta"), lens, 3), ValueError, "index_key_cache must be on index_query's device"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
 
 
 def test_kvcache_topk_mask(device):

@@ -770,6 +770,33 @@ def test_user_selection_bad_input():
         sparse_attn.topk_attention(q, k, v, indices=torch.zeros(1, 1, 16, 3, dtype=torch.int32), block_size=32)
     with pytest.raises(TypeError, match="k must be an int"):
         sparse_attn.topk_attention(q, k, v)
+    with pytest.raises(ValueError, match="sinks=4 cannot be combined with indices"):
+        sparse_attn.topk_attention(q, k, v, indices=torch.zeros(1, 1, 16, 3, dtype=torch.int32), sinks=4)
+    with pytest.raises(TypeError, match="block_size must be an int"):
+        sparse_attn.topk_attention(q, k, v, indices=torch.zeros(1, 1, 16, 3, dtype=torch.int32), block_size=64.0)
+
+
+@pytest.mark.parametrize("route", ["gather", "masked_block"])
+def test_user_selection_entries_past_the_keys_count_as_padding(route, device):
+    # Key blocks past the keys (even where entry * block_size passes 2**31) and keys past Lk are
+    # dropped like -1, on both routes.
+    q, k, v = make_qkv(1, 4, 2, 8, 4096, 32, dtype=torch.float32, device=device, seed=5)
+    blocks = torch.full((1, 1, 8, 4), -1, dtype=torch.int32)
+    blocks[..., 0] = 5
+    padded = blocks.clone()
+    blocks[..., 1] = 2**26  # 2**26 * 64 wraps to 0 in int32
+    blocks[..., 2] = 2**26 + 7
+    blocks[..., 3] = 64  # the first block past 4096 keys
+    tokens = torch.full((1, 1, 8, 3), -1, dtype=torch.int32)
+    tokens[..., 0] = 100
+    tokens_padded = tokens.clone()
+    tokens[..., 1] = 4096
+    tokens[..., 2] = 2**31 - 1
+    with overrides(topk_attention_route=route):
+        for sel, ref, bs in ((blocks, padded, 64), (tokens, tokens_padded, None)):
+            got = sparse_attn.topk_attention(q, k, v, indices=sel.to(device), block_size=bs)
+            want = sparse_attn.topk_attention(q, k, v, indices=ref.to(device), block_size=bs)
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

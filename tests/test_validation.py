@@ -633,6 +633,14 @@ def test_bad_scale_type(op, scale, device):
         _check_valid(op, q, k, v, scale=good)
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("op", OPS)
+def test_non_finite_scale(op, scale, device):
+    q, k, v = make_qkv(B, H, HKV, L, L, D, device=device, seed=12)
+    with pytest.raises(ValueError, match=r"scale must be finite"):
+        _call(op, q, k, v, scale=scale)
+
+
 # ---------------------------------------------------------------------------------------------
 # Sizes: empty inputs are not errors (an empty output, or 0 and LSE -inf without keys).
 
@@ -661,6 +669,37 @@ def test_empty_sizes(op, case, device):
         assert (out == 0).all() and torch.isneginf(lse).all()
     else:
         assert out.numel() == 0 and lse.numel() == 0
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_empty_keys_backward(op, device):
+    # No keys: zero gradients for the queries, empty ones for the keys and values, on every op.
+    q, k, v = make_qkv(B, H, HKV, L, 0, D, device=device, seed=14)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    _call(op, q, k, v, lengths=(L, 0)).sum().backward()
+    assert (q.grad == 0).all() and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_argument_types_named():
+    q = torch.randn(1, 2, 16, 32)
+    for op in (sparse_attn.flash_attention, sparse_attn.dense_attention):
+        with pytest.raises(TypeError, match="query must be a torch.Tensor, got list"):
+            op([1.0], q, q)
+    rows = (torch.ones(1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 2, 1, dtype=torch.int32))
+    parts = (-torch.ones(1, 1, 2, 1, dtype=torch.int32), torch.zeros(0, 128, 4, dtype=torch.int32))
+    for kw, match in (
+        ({"seq_lengths": (256, 256), "block_size": (128, 128, 128)}, "block_size must be an int or a pair"),
+        ({"seq_lengths": (256, 256), "block_size": "128"}, "block_size must be an int or a pair"),
+        ({"seq_lengths": (256,)}, r"seq_lengths must be a pair \(Lq, Lk\)"),
+        ({"seq_lengths": (255.5, 256)}, "seq_lengths must be an int or a pair of ints"),
+    ):
+        with pytest.raises(TypeError, match=match):
+            BlockSparseMask(*rows, *parts, **kw)
+    packed, cu = torch.randn(20, 2, 32), torch.tensor([0, 10, 20], dtype=torch.int32)
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int, got None"):
+        sparse_attn.flash_attention_varlen(packed, packed, packed, cu, cu, None, 10)
+    with pytest.raises(TypeError, match="masks must be a list of masks"):
+        sparse_attn.block_sparse_attention_varlen(packed, packed, packed, cu, cu, 10, 10, 5)
 
 
 # ---------------------------------------------------------------------------------------------
