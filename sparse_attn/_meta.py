@@ -312,9 +312,11 @@ def _gather_backward(ctx, grad_out, grad_lse):
 
 def _dense_backward(ctx, grad_out, grad_lse):
     """dense_attention's backward: the baseline's math redone in fp32 through autograd (it
-    materialises the scores, as its forward does)."""
+    materialises the scores, as its forward does); a floating attn_mask that requires grad gets
+    its gradient too (an additive bias, as SDPA's), summed over the dims it broadcasts along."""
     query, key, value, out, lse = ctx.saved_tensors
     attn_mask, scale, causal = ctx.rest
+    bias_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
 
     def math(q, k, v):
         g = q.shape[1] // max(k.shape[1], 1)
@@ -338,13 +340,16 @@ def _dense_backward(ctx, grad_out, grad_lse):
 
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
+        if bias_grad:
+            attn_mask = attn_mask.detach().requires_grad_(True)
         o, l_ = math(q, k, v)
         outs, grads = [o], [grad_out if grad_out is not None else torch.zeros_like(o)]
         if grad_lse is not None:
             outs.append(l_)
             grads.append(torch.where(torch.isneginf(l_), torch.zeros_like(grad_lse), grad_lse))
-        dq, dk, dv = torch.autograd.grad(outs, (q, k, v), grads, allow_unused=True)
-    return dq, dk, dv, None, None, None
+        wrt = (q, k, v, attn_mask) if bias_grad else (q, k, v)
+        got = torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+    return *got[:3], got[3] if bias_grad else None, None, None
 
 
 torch.library.register_autograd("sparse_attn::flash_fwd", _flash_backward, setup_context=_setup_context)
@@ -353,12 +358,20 @@ torch.library.register_autograd("sparse_attn::gather_fwd", _gather_backward, set
 torch.library.register_autograd("sparse_attn::dense_fwd", _dense_backward, setup_context=_setup_context)
 
 
-def tracks_grad(query, key, value) -> bool:
-    """Whether a call on these inputs may need a gradient (grad mode on and one of them requires it)."""
+def tracks_grad(query, key, value, *rest) -> bool:
+    """Whether a call on these inputs may need a gradient (grad mode on and one of them, or a
+    tensor among ``rest``, requires it)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):  # the first place an op's Python reads them
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if not torch.is_grad_enabled():
+        return False
+    return (
+        query.requires_grad
+        or key.requires_grad
+        or value.requires_grad
+        or any(isinstance(t, torch.Tensor) and t.requires_grad for t in rest)
+    )
 
 
 def forward(op, query, key, value, *rest):
@@ -370,7 +383,7 @@ def forward(op, query, key, value, *rest):
     call where no gradient can be needed (grad mode off, or none of query, key, value requiring
     grad) dispatches below autograd directly, as that wrapper itself would; traced calls
     (torch.compile, torch.export) keep the registered path."""
-    if tracks_grad(query, key, value):
+    if tracks_grad(query, key, value, *rest):
         return op(query, key, value, *rest)
     if torch.compiler.is_compiling():
         return op(query, key, value, *rest)

@@ -58,7 +58,8 @@ def dense_attention(
     value : Tensor (B, Hkv, Lk, Dv)
     attn_mask : Tensor, optional
         Broadcastable to (B, H, Lq, Lk): bool (True = attend) or floating point (added to the
-        scores), as in SDPA. Combined with ``causal`` when both are given.
+        scores; a learned bias that requires grad gets its gradient), as in SDPA. Combined with
+        ``causal`` when both are given.
     causal : bool
         Bottom-right aligned causal mask.
     scale : float, optional

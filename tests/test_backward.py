@@ -190,6 +190,22 @@ def test_block_topk_and_dense_gradients(dtype, device):
     _check("dense", dense, lambda: _tri(200, 200), q, k, v, with_lse=True, device=device)
 
 
+@pytest.mark.parametrize("shape", [(2, 2, 16, 20), (1, 2, 1, 20), (16, 20)], ids=str)
+def test_dense_additive_mask_gradient(shape, device):
+    # A float attn_mask that requires grad (a learned bias) gets its gradient, as in SDPA, summed
+    # over the dims it broadcasts along; also when only the mask requires it.
+    q, k, v = make_qkv(2, 2, 2, 16, 20, 32, dtype=torch.float64, seed=17)
+    bias = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    weight = torch.arange(32, dtype=torch.float64)
+    gold = bias.clone().requires_grad_(True)
+    (torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=gold) * weight).sum().backward()
+    on = [t.float().to(device) for t in (q, k, v)]
+    got = bias.float().to(device).requires_grad_(True)
+    (sparse_attn.dense_attention(*on, attn_mask=got) * weight.float().to(device)).sum().backward()
+    assert got.grad.shape == bias.shape
+    torch.testing.assert_close(got.grad.double().cpu(), gold.grad, atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rows_with_no_key_get_zero_gradients_and_nan_propagates(dtype, device):
     q, k, v = make_qkv(1, 2, 2, 64, 64, 32, dtype=dtype, device=device, seed=11)
