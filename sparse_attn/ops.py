@@ -359,6 +359,12 @@ def topk_attention(
     given = [t is not None for t in (index_query, index_key, index_weights)]
     if any(given) and not all(given):
         raise ValueError("index_query, index_key and index_weights must be given together")
+    if all(given) and isinstance(query, torch.Tensor):
+        for name, t in (("index_query", index_query), ("index_key", index_key), ("index_weights", index_weights)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != query.device:
+                raise ValueError(f"{name} must be on query's device ({query.device}), got {t.device}")
     if block_size is not None:
         if any(given):
             raise ValueError("the lightning indexer selects tokens: it cannot be combined with block_size")

@@ -752,7 +752,7 @@ def test_mask_on_another_device_than_query(query_device, mask_device):
         with pytest.raises(RuntimeError, match=r"mask.*device"):
             sparse_attn.block_sparse_attention(q, k, v, mask)
     iq, ik, iw = _indexer_inputs(mask_device, lq=LB, lk=LB)
-    with pytest.raises(RuntimeError, match=r"indices.*device"):
+    with pytest.raises(ValueError, match=r"index_query must be on query's device"):
         sparse_attn.topk_attention(q, k, v, 8, index_query=iq, index_key=ik, index_weights=iw)
     indices = torch.zeros(B, H, LB, 4, dtype=torch.int32, device=mask_device)
     with pytest.raises(RuntimeError, match=r"indices.*device"):
