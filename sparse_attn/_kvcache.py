@@ -128,7 +128,9 @@ def composite(
             kept = kept & (page >= 0) & (page < num_pages)
             at = (torch.where(kept, page, num_pages), pos % page_size)
             spare = 0
-        every = not torch.compiler.is_compiling() and bool(kept.all())  # the usual case: written in place
+        # The usual case, every token kept, written in place; checked on the host for CPU tensors
+        # only (on CUDA the check would synchronise: the spare-slot path instead).
+        every = dev.type == "cpu" and not torch.compiler.is_compiling() and bool(kept.all())
         for cache, new_rows in ((key_cache, key), (value_cache, value)):
             if every:
                 cache[at] = new_rows.transpose(1, 2)
