@@ -44,6 +44,8 @@ def window_bounds(window) -> tuple[int, int]:
     """``flash_attention``'s window as the kernels' (left, right) bounds, -1 = unbounded."""
     if window is None:
         return -1, -1
+    if isinstance(window, (str, bytes)):
+        raise TypeError(f"window must be None, an int or a (left, right) pair, got {window!r}")
     if isinstance(window, int):
         window = (window, window)
     try:

@@ -280,7 +280,17 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def first_order() -> None:
+    """The backward ops are not themselves differentiable: a double backward (create_graph=True,
+    under which autograd runs a backward with grad mode on) would get zeros; it raises instead."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "sparse_attn's attention backward is first-order only: double backward (create_graph=True) is not supported"
+        )
+
+
 def _grads(ctx, grad_out, grad_lse):
+    first_order()
     query, key, value, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
@@ -314,6 +324,7 @@ def _dense_backward(ctx, grad_out, grad_lse):
     """dense_attention's backward: the baseline's math redone in fp32 through autograd (it
     materialises the scores, as its forward does); a floating attn_mask that requires grad gets
     its gradient too (an additive bias, as SDPA's), summed over the dims it broadcasts along."""
+    first_order()
     query, key, value, out, lse = ctx.saved_tensors
     attn_mask, scale, causal = ctx.rest
     bias_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad

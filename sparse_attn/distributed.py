@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import _args
+from . import _args, _meta
 
 if TYPE_CHECKING:
     from .masks import BlockSparseMask
@@ -87,7 +87,10 @@ def chunk_bounds(seq_len: int, world: int, layout: str = "zigzag") -> list[list[
 def _group_info(group) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context parallelism needs an initialised torch.distributed process group")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:  # torch's answer for a group that does not hold this process
+        raise ValueError(f"group does not include this process (global rank {dist.get_rank()})")
+    return rank, dist.get_world_size(group)
 
 
 def _process_group(group):
@@ -166,6 +169,7 @@ def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: 
     """This rank's shard of a whole sequence ``x`` (the same tensor on every rank), along ``dim``."""
     group = _process_group(group)
     rank, world = _group_info(group)
+    _check_dim(x, dim)
     parts = [x.narrow(dim, off, n) for off, n in chunk_bounds(x.shape[dim], world, layout)[rank]]
     return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0].contiguous()
 
@@ -173,8 +177,25 @@ def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: 
 def gather_sequence(x: torch.Tensor, seq_len: int, *, group=None, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
     """The whole sequence from every rank's shard ``x`` (an all-gather; differentiable)."""
     group = _process_group(group)
-    _, world = _group_info(group)
-    return _gather(x, chunk_bounds(seq_len, world, layout), group, dim)
+    rank, world = _group_info(group)
+    _check_dim(x, dim)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be a non-negative int, got {seq_len!r}")
+    bounds = chunk_bounds(seq_len, world, layout)
+    mine = sum(n for _, n in bounds[rank])
+    if x.shape[dim] != mine:
+        raise ValueError(
+            f"rank {rank}'s shard has {x.shape[dim]} tokens, but the {layout} layout of seq_len={seq_len} over "
+            f"{world} ranks gives it {mine}"
+        )
+    return _gather(x, bounds, group, dim)
+
+
+def _check_dim(x: torch.Tensor, dim: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for a {x.dim()}-D tensor, got {dim!r}")
 
 
 def _gather(x: torch.Tensor, bounds, group, dim: int) -> torch.Tensor:
@@ -323,6 +344,7 @@ class _DenseContextParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
+        _meta.first_order()
         q, k, v, out, lse = ctx.saved_tensors
         if ctx.schedule == "queries":
             grads = _query_slices_backward(ctx, grad_out, q, k, v, out, lse)
@@ -819,6 +841,8 @@ def context_parallel_attention(
         total = torch.tensor([query.shape[2]], dtype=torch.int64, device=query.device)
         dist.all_reduce(total, group=group)
         seq_len = int(total.item())
+    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be None or a non-negative int, got {seq_len!r}")
     bounds = chunk_bounds(seq_len, world, layout)
     mine = sum(n for _, n in bounds[rank])
     if query.shape[2] != mine:
@@ -1127,6 +1151,7 @@ class _SparseAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g, gl):
+        _meta.first_order()
         q, k, v, k_in, v_in, q_edge, q_guest, out, lse = ctx.saved_tensors
         ex, scale, group = ctx.ex, ctx.scale, ctx.group
         if g is None:
@@ -1746,6 +1771,11 @@ def context_parallel_topk_attention(
         raise ValueError("index_query, index_key and index_weights must be given together")
     if key.shape[2] != query.shape[2]:
         raise ValueError(f"query and key shards must have the same length, got {query.shape[2]} and {key.shape[2]}")
+    if all(indexer):  # the indexer's shards: this rank's tokens too ((B, L_r, HI, DI), (B, L_r, DI), (B, L_r, HI))
+        for name, t in (("index_query", index_query), ("index_key", index_key), ("index_weights", index_weights)):
+            if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] != query.shape[2]:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must hold this rank's {query.shape[2]} tokens in dim 1, got {got}")
     total = torch.tensor([query.shape[2]], dtype=torch.int64, device=query.device)
     dist.all_reduce(total, group=group)
     seq_len = int(total.item())

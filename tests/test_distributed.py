@@ -153,6 +153,7 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
             _block_sparse_case(rank, world, errors)
             _topk_cases(rank, world, errors)
             _mesh_cases(rank, world, errors)
+            _bad_input_cases(rank, world, errors)
         else:
             _block_sparse_case(rank, world, errors, device, dtype, tol, scale_len=16)
             _topk_cases(rank, world, errors, device, dtype, tol, scale_len=16)
@@ -443,6 +444,66 @@ def _topk_cases(rank: int, world: int, errors, device="cpu", dtype=torch.float32
         if not torch.equal(idx[..., : want_idx.shape[-1]], want_idx):
             errors.put(f"rank {rank} {case}: selection differs")
         _compare_shards(errors, f"rank {rank} {case}", (out, *grads, lse), (ref, *ref_grads, ref_lse), layout, tol)
+
+
+def _bad_input_cases(rank: int, world: int, errors) -> None:
+    """The same bad argument on every rank: every rank raises the error naming it (no hang, no
+    silent result)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 64, 32, generator=g)
+    local = [cp.shard_sequence(q, layout="zigzag").requires_grad_() for _ in range(3)]
+    iq, ik, iw = torch.randn(1, 64, 2, 32), torch.randn(1, 64, 32), torch.rand(1, 64, 2)
+    shards = [cp.shard_sequence(t, dim=1) for t in (iq, ik, iw)]
+    short = shards[0][:, 1:]  # one token short of this rank's shard
+    # A group that does not hold this process (new_group is collective: every rank makes it).
+    only_first = dist.new_group([0])
+    cases = [
+        ("gather_sequence seq_len", ValueError, "layout of seq_len=70", lambda: cp.gather_sequence(local[0], 70)),
+        ("gather_sequence dim", ValueError, "dim must be an int", lambda: cp.gather_sequence(local[0], 64, dim=5)),
+        (
+            "float seq_len",
+            ValueError,
+            "seq_len must be None or a non-negative int",
+            lambda: cp.context_parallel_attention(*local, seq_len=64.0),
+        ),
+        (
+            "string window",
+            TypeError,
+            "window must be None, an int",
+            lambda: cp.context_parallel_attention(*local, window="16"),
+        ),
+        (
+            "short index_query",
+            ValueError,
+            "index_query must hold this rank's",
+            lambda: cp.context_parallel_topk_attention(
+                *local, 8, index_query=short, index_key=shards[1], index_weights=shards[2]
+            ),
+        ),
+    ]
+    if rank != 0:
+        cases.append(
+            (
+                "group without this rank",
+                ValueError,
+                "group does not include this process",
+                lambda: cp.context_parallel_attention(*local, group=only_first),
+            )
+        )
+    for name, exc, match, call in cases:
+        try:
+            call()
+            errors.put(f"rank {rank} {name}: no error")
+        except exc as e:
+            if match not in str(e):
+                errors.put(f"rank {rank} {name}: {type(e).__name__}: {e}")
+    out = cp.context_parallel_attention(*local, causal=True)
+    try:  # a double backward raises instead of giving wrong second-order gradients
+        torch.autograd.grad(out.sum(), local, create_graph=True)
+        errors.put(f"rank {rank} double backward: no error")
+    except NotImplementedError as e:
+        if "first-order only" not in str(e):
+            errors.put(f"rank {rank} double backward: {e}")
 
 
 def _mesh_cases(rank: int, world: int, errors) -> None:
