@@ -25,6 +25,13 @@ def check_4d(**tensors) -> None:
             raise ValueError(f"{name} must be 4-D {_LAYOUT[name]}, got {t.dim()}-D")
 
 
+def at_least(name: str, value, minimum: int) -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``; else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
 def check_inputs(query, key, value) -> None:
     """The kernels' checks of query, key and value, run before Python code that reads them
     (block top-k's pooling): the glue's check_qkv, through sparse_attn::_check_inputs."""

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from . import _meta
+from . import _args, _meta
 from .masks import BlockSparseMask
 
 _ops = torch.ops.sparse_attn
@@ -186,9 +186,8 @@ def topk_mask(
         raise ValueError(f"block_size must be 64 or 128, got {block_size!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
         raise ValueError(f"k must be a positive int, got {k!r}")
-    for name, n in (("sinks", sinks), ("recent", recent)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    _args.at_least("sinks", sinks, 0)
+    _args.at_least("recent", recent, 0)
     named = (
         ("index_query", index_query),
         ("index_weights", index_weights),

@@ -179,8 +179,7 @@ def gather_sequence(x: torch.Tensor, seq_len: int, *, group=None, layout: str = 
     group = _process_group(group)
     rank, world = _group_info(group)
     _check_dim(x, dim)
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be a non-negative int, got {seq_len!r}")
+    _args.at_least("seq_len", seq_len, 0)
     bounds = chunk_bounds(seq_len, world, layout)
     mine = sum(n for _, n in bounds[rank])
     if x.shape[dim] != mine:
@@ -841,8 +840,8 @@ def context_parallel_attention(
         total = torch.tensor([query.shape[2]], dtype=torch.int64, device=query.device)
         dist.all_reduce(total, group=group)
         seq_len = int(total.item())
-    elif isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be None or a non-negative int, got {seq_len!r}")
+    else:
+        _args.at_least("seq_len", seq_len, 0)
     bounds = chunk_bounds(seq_len, world, layout)
     mine = sum(n for _, n in bounds[rank])
     if query.shape[2] != mine:

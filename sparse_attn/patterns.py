@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from . import _args
 from ._mask_compiler import Dilated, Dilated2d, Interval, RandomBlocks, Strided, WindowUnion, compile_mask
 from .masks import _CHUNK, _FULL, _NONE, BlockSparseMask, ExactForm, _check_block_size, _pair, unpack_bits
 
@@ -52,9 +53,7 @@ __all__ = [
 
 
 def _positive(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return _args.at_least(name, value, minimum)
 
 
 def _lengths(lq: int, lk: int) -> tuple[int, int]:
@@ -474,7 +473,7 @@ def documents(
     >>> mask.seq_lengths, mask.to_dense()[0, 0, 150, 99].item(), mask.to_dense()[0, 0, 150, 100].item()
     ((300, 300), False, True)
     """
-    from . import _args, _varlen
+    from . import _varlen
 
     cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     if not cu or cu[0] != 0 or any(not isinstance(c, int) or isinstance(c, bool) for c in cu):

@@ -463,7 +463,7 @@ def _bad_input_cases(rank: int, world: int, errors) -> None:
         (
             "float seq_len",
             ValueError,
-            "seq_len must be None or a non-negative int",
+            "seq_len must be an integer >= 0",
             lambda: cp.context_parallel_attention(*local, seq_len=64.0),
         ),
         (
