@@ -102,13 +102,14 @@ def _sum_clamped(n: int, start: int, lo: int, hi: int) -> int:
 # kernel computes pairs at about dense attention's rate (FLOP/s), a partial block taking
 # _PARTIAL_COST times a full one's time; the mask's build moves the indices once and its words
 # about four times at _CUDA_MASK_BYTES_PER_S, and takes at least one CTA's pass over a query
-# block's entries (_CUDA_MASK_CTA_ENTRIES_PER_S). CPU (this kernel set): seconds per (query head,
+# block's entries (_CUDA_MASK_CTA_ENTRIES_PER_S; both scaled by the shift builder's gain over the
+# previous one, measured on an H200 in one run). CPU (this kernel set): seconds per (query head,
 # selected key, head-dim element) for the gather and per (query head, visible pair, element) for
 # the block kernel, the build included.
 _CUDA_GATHER_BYTES_PER_S = 6.4e12
 _CUDA_PAIR_FLOPS_PER_S = {torch.float32: 2.0e13, torch.bfloat16: 6.0e14, torch.float16: 6.0e14}
-_CUDA_MASK_BYTES_PER_S = 3.1e12
-_CUDA_MASK_CTA_ENTRIES_PER_S = 0.41e9
+_CUDA_MASK_BYTES_PER_S = 3.6e12
+_CUDA_MASK_CTA_ENTRIES_PER_S = 0.68e9
 _CPU_GATHER_S = {torch.float32: 0.23e-9, torch.bfloat16: 0.20e-9, torch.float16: 0.20e-9}
 _CPU_PAIR_S = {torch.float32: 0.017e-9, torch.bfloat16: 0.008e-9, torch.float16: 0.017e-9}
 _PARTIAL_COST = {64: 1.45, 128: 1.25}  # CUDA, by head dim: at 64 the softmax (and the masking) weighs more

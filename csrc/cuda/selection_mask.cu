@@ -30,12 +30,14 @@ __device__ __forceinline__ void flush_bits(uint32_t* row_words, int words, uint6
   if (words == 4 && hi) atomicOr(w64 + 1, (unsigned long long)hi);
 }
 
+// kKvBlock: p.kv_block (64 or 128) as a constant, so a key's block and column are shifts and masks.
+template <int kKvBlock>
 __global__ void selection_mask_kernel(const SelectionMaskParams p) {
   extern __shared__ uint32_t smem[];
   __shared__ unsigned long long offset_sum;
   const int qb = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, nthreads = blockDim.x;
-  const int cap = selection_block_cap(qb, p.lq, p.q_block, p.kv_block, p.nkb, p.causal, p.row_offset);
+  const int cap = selection_block_cap(qb, p.lq, p.q_block, kKvBlock, p.nkb, p.causal, p.row_offset);
   const int nw = (cap + 31) / 32;
   uint32_t* touched = smem;
   uint32_t* full = smem + nw;
@@ -45,11 +47,11 @@ __global__ void selection_mask_kernel(const SelectionMaskParams p) {
   __syncthreads();
   unsigned long long before = 0;  // partial rows of the query blocks before this one
   for (int i = tid; i < qb; i += nthreads)
-    before += selection_block_cap(i, p.lq, p.q_block, p.kv_block, p.nkb, p.causal, p.row_offset);
+    before += selection_block_cap(i, p.lq, p.q_block, kKvBlock, p.nkb, p.causal, p.row_offset);
   if (before) atomicAdd(&offset_sum, before);
   __syncthreads();
   const int64_t first_pair = (int64_t(b) * p.g + g) * p.pairs + int64_t(offset_sum);
-  const int words = p.kv_block / 32;
+  constexpr int words = kKvBlock / 32;
   const int rows = min(p.q_block, p.lq - qb * p.q_block);
 
   if (tid < rows) {
@@ -75,13 +77,13 @@ __global__ void selection_mask_kernel(const SelectionMaskParams p) {
       if (entry < 0) return;
       if (p.entry_block == 1) {
         if (entry >= limit) return;
-        const int kb = entry / p.kv_block;
+        const int kb = entry / kKvBlock;
         if (kb >= cap) return;
-        const int c = entry - kb * p.kv_block;
+        const int c = entry - kb * kKvBlock;
         add(kb, c < 64 ? 1ull << c : 0ull, c < 64 ? 0ull : 1ull << (c - 64));
       } else {
         const int64_t a = int64_t(entry) * p.entry_block;
-        for_key_range(a, a + p.entry_block, limit, p.kv_block, cap, add);
+        for_key_range(a, a + p.entry_block, limit, kKvBlock, cap, add);
       }
     };
     int j = 0;
@@ -115,10 +117,10 @@ __global__ void selection_mask_kernel(const SelectionMaskParams p) {
   // Fullness: warp w checks the touched blocks kb with kb % warps == w; none can be full when
   // k is below the smallest block's key count (the pass is skipped: it reads every word again).
   const int lane = tid & 31, warp = tid >> 5, warps = nthreads / 32;
-  const int smallest = min(p.kv_block, p.lk - (p.nkb - 1) * p.kv_block);
+  const int smallest = min(kKvBlock, p.lk - (p.nkb - 1) * kKvBlock);
   for (int kb = int64_t(p.k) * p.entry_block >= smallest ? warp : cap; kb < cap; kb += warps) {
     if (!(touched[kb >> 5] >> (kb & 31) & 1)) continue;
-    const int keys = min(p.kv_block, p.lk - kb * p.kv_block);
+    const int keys = min(kKvBlock, p.lk - kb * kKvBlock);
     bool all = true;
     for (int r = lane; r < rows; r += 32) {
       const uint32_t* w = p.words + ((first_pair + kb) * p.q_block + r) * words;
@@ -172,8 +174,11 @@ cudaError_t run_selection_mask(const SelectionMaskParams& p, cudaStream_t stream
   const int nw = (p.nkb + 31) / 32;
   const size_t smem = size_t(3 * nw + 1) * sizeof(uint32_t);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
-  cuda::selection_mask_kernel<<<dim3(unsigned(p.nqb), unsigned(p.g), unsigned(p.b)), unsigned(p.q_block), smem,
-                                 stream>>>(p);
+  const dim3 grid(unsigned(p.nqb), unsigned(p.g), unsigned(p.b));
+  if (p.kv_block == 128)
+    cuda::selection_mask_kernel<128><<<grid, unsigned(p.q_block), smem, stream>>>(p);
+  else
+    cuda::selection_mask_kernel<64><<<grid, unsigned(p.q_block), smem, stream>>>(p);
   return cudaGetLastError();
 }
 
