@@ -44,6 +44,7 @@ sequence and return DTensors.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import math
 from dataclasses import dataclass, field, replace
@@ -91,6 +92,93 @@ def _group_info(group) -> tuple[int, int]:
     if rank < 0:  # torch's answer for a group that does not hold this process
         raise ValueError(f"group does not include this process (global rank {dist.get_rank()})")
     return rank, dist.get_world_size(group)
+
+
+_AGREED_FIELDS = 24  # the most arguments _agree compares (fields), a fixed size for the all-gather
+
+
+def _digest(value) -> int:
+    """An argument as one int64 for comparing it across ranks (its repr hashed: exact for ints,
+    floats, bools, strings, dtypes, tuples of them)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _agree(group, rank: int, world: int, query, length: int, fields: dict, failed: Exception | None) -> list[int]:
+    """Before any other collective of a call: one all-gather of each rank's shard length, whether its
+    own argument checks passed (``failed``: the exception they raised) and ``fields`` (the
+    arguments the ranks must share), so that every rank raises when one rank's arguments are bad
+    or the ranks' arguments differ, instead of some ranks waiting in a collective the others never
+    join, or all of them running a schedule they disagree on (wrong K/V gradients, no error).
+    Returns every rank's shard length. One host synchronisation."""
+    if isinstance(query, torch.Tensor):
+        device = query.device
+    else:  # the bad query is this rank's error; the collective still needs a tensor its backend takes
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    digests = [] if failed is not None else [_digest(v) for v in fields.values()]
+    digests += [0] * (_AGREED_FIELDS - len(digests))  # one size on every rank, failed or not
+    mine = torch.tensor([int(failed is not None), length, *digests], dtype=torch.int64, device=device)
+    table = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(table, mine, group=group)
+    table = torch.stack(table).cpu()
+    if failed is not None:
+        raise failed
+    if bool(table[:, 0].any()):
+        others = table[:, 0].nonzero().flatten().tolist()
+        raise ValueError(
+            f"rank(s) {others} of the group rejected their arguments (their own error names which); this rank "
+            "stops too instead of waiting for them in a collective"
+        )
+    for i, (name, value) in enumerate(fields.items()):
+        column = table[:, 2 + i]
+        differ = (column != column[rank]).nonzero().flatten().tolist()
+        if differ:
+            raise ValueError(
+                f"{name} must be the same on every rank of the group: rank {rank} has {value!r}, rank(s) {differ} "
+                "another value"
+            )
+    return table[:, 1].tolist()
+
+
+def _call_fields(query, key, value, **arguments) -> dict:
+    """What the ranks of a call must share, by name (``_agree``): the shards' shapes but their
+    length, dtype, device kind, whether autograd records the call (a backward on some ranks only
+    waits forever), and ``arguments``."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return {
+        "query's batch size": query.shape[0],
+        "query's heads": query.shape[1],
+        "key's heads": key.shape[1],
+        "query's head dim": query.shape[3],
+        "value's head dim": value.shape[3],
+        "query's dtype": query.dtype,
+        "query's device type": query.device.type,
+        "whether autograd records the call (requires_grad under grad mode)": grad,
+        **arguments,
+    }
+
+
+def _mask_fingerprint(mask) -> int:
+    """A digest of a BlockSparseMask's lists and words (kept with the mask: masks are not modified)."""
+    if "_cp_fingerprint" not in mask.__dict__:
+        h = hashlib.blake2b(repr((mask.seq_lengths, mask.block_size)).encode(), digest_size=8)
+        for t in (mask.kv_num_blocks, mask.kv_indices, mask.kv_partial, mask.partial_masks):
+            h.update(repr(tuple(t.shape)).encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        mask.__dict__["_cp_fingerprint"] = int.from_bytes(h.digest(), "little", signed=True)
+    return mask.__dict__["_cp_fingerprint"]
+
+
+def _shard_lengths_fit(lengths: list[int], seq_len: int, layout: str) -> list[list[tuple[int, int]]]:
+    """The layout's bounds of ``seq_len`` over the ranks, every rank's shard length checked against
+    them (on every rank: the same error everywhere)."""
+    bounds = chunk_bounds(seq_len, len(lengths), layout)
+    wants = [sum(c for _, c in chunks) for chunks in bounds]
+    if lengths != wants:
+        raise ValueError(
+            f"the ranks' shards have {lengths} tokens, but the {layout} layout of {seq_len} tokens over "
+            f"{len(lengths)} ranks gives them {wants}"
+        )
+    return bounds
 
 
 def _process_group(group):
@@ -803,6 +891,7 @@ def context_parallel_attention(
     layout: str = "zigzag",
     method: str | None = None,
     return_lse: bool = False,
+    validate: bool = True,
 ):
     """``flash_attention`` over a sequence sharded along its length across ``group``.
 
@@ -816,7 +905,8 @@ def context_parallel_attention(
     causal, window, scale
         As ``flash_attention``, over the whole sequence.
     seq_len : int, optional
-        The whole sequence's length; default: the sum of the ranks' shard lengths (one all-reduce).
+        The whole sequence's length; default: the sum of the ranks' shard lengths (the all-gather
+        of ``validate``).
     layout : {"zigzag", "contiguous"}
         How the sequence is cut into the ranks' shards (module docstring).
     method : {None, "queries", "ring", "allgather"}
@@ -824,38 +914,64 @@ def context_parallel_attention(
     return_lse : bool
         Also return this rank's LSE shard, fp32 (B, H, L_r) (not differentiable on the ring and
         the query slices).
+    validate : bool
+        Check the ranks' arguments against each other before the first exchange (one all-gather of
+        a few integers and a host synchronisation): every rank raises, naming the argument, when
+        one rank's arguments are bad or the ranks' differ (shapes but the length, dtype, causal,
+        window, scale, seq_len, layout, schedule, whether autograd records the call), where a
+        mismatch would otherwise leave ranks waiting in a collective or give wrong gradients. The
+        check is always made when ``seq_len`` is not given (the all-gather sums the shards);
+        ``validate=False`` with ``seq_len`` skips it.
 
     Returns
     -------
     Tensor (B, H, L_r, Dv): this rank's shard of the output, or (out, lse).
     """
     rank, world = _group_info(group)
-    _args.check_inputs(query, key, value)
-    if key.shape[2] != query.shape[2]:
-        raise ValueError(
-            f"query and key shards must have the same length (self-attention over one sequence), got "
-            f"{query.shape[2]} and {key.shape[2]}"
+    failed, fields = None, {}
+    try:  # this rank's checks; their error is raised after the ranks agree (_agree)
+        _args.check_inputs(query, key, value)
+        if key.shape[2] != query.shape[2]:
+            raise ValueError(
+                f"query and key shards must have the same length (self-attention over one sequence), got "
+                f"{query.shape[2]} and {key.shape[2]}"
+            )
+        if seq_len is not None:
+            _args.at_least("seq_len", seq_len, 0)
+        left, right = _args.window_bounds(window)
+        if causal:
+            right = 0
+        plan = plan_context_parallel(
+            causal, window, layout=layout, method=method, heads=(query.shape[1], key.shape[1]), world=world
         )
-    if seq_len is None:
-        total = torch.tensor([query.shape[2]], dtype=torch.int64, device=query.device)
-        dist.all_reduce(total, group=group)
-        seq_len = int(total.item())
+        scale = _args.scale(scale)
+        fields = _call_fields(
+            query,
+            key,
+            value,
+            causal=bool(causal),
+            window=(left, right),
+            scale=scale,
+            seq_len=seq_len,
+            layout=layout,
+            method=plan.method,
+        )
+    except Exception as error:  # noqa: BLE001  (raised below, on every rank)
+        failed = error
+    if seq_len is None or validate:
+        lengths = _agree(group, rank, world, query, 0 if failed else query.shape[2], fields, failed)
+        bounds = _shard_lengths_fit(lengths, sum(lengths) if seq_len is None else seq_len, layout)
+        seq_len = sum(lengths) if seq_len is None else seq_len
     else:
-        _args.at_least("seq_len", seq_len, 0)
-    bounds = chunk_bounds(seq_len, world, layout)
-    mine = sum(n for _, n in bounds[rank])
-    if query.shape[2] != mine:
-        raise ValueError(
-            f"rank {rank}'s shard has {query.shape[2]} tokens, but the {layout} layout of {seq_len} tokens over "
-            f"{world} ranks gives it {mine}"
-        )
-    left, right = _args.window_bounds(window)
-    if causal:
-        right = 0
-    plan = plan_context_parallel(
-        causal, window, layout=layout, method=method, heads=(query.shape[1], key.shape[1]), world=world
-    )
-    scale = _args.scale(scale)
+        if failed is not None:
+            raise failed
+        bounds = chunk_bounds(seq_len, world, layout)
+        mine = sum(n for _, n in bounds[rank])
+        if query.shape[2] != mine:
+            raise ValueError(
+                f"rank {rank}'s shard has {query.shape[2]} tokens, but the {layout} layout of {seq_len} tokens over "
+                f"{world} ranks gives it {mine}"
+            )
     if plan.method in ("queries", "ring"):
         out, lse = _DenseContextParallel.apply(query, key, value, bounds, scale, bool(causal), group, plan.method)
     else:
@@ -1387,6 +1503,7 @@ def context_parallel_block_sparse_attention(
     layout: str = "zigzag",
     method: str | None = None,
     return_lse: bool = False,
+    validate: bool = True,
 ):
     """``block_sparse_attention`` under a global ``mask`` (a ``BlockSparseMask`` of the whole
     sequence, the same on every rank) over a sequence sharded across ``group``. Each rank computes
@@ -1407,6 +1524,9 @@ def context_parallel_block_sparse_attention(
     gradients of received blocks and the guests' query gradients going back to their owners.
     The chunks of ``layout`` must start at multiples of the mask's blocks and L be a multiple of
     the key block (e.g. L a multiple of 2P * 128 for the zigzag layout and 128-token blocks).
+    ``validate`` (default True): the ranks' arguments checked against each other first, as in
+    :func:`context_parallel_attention`, the mask by a digest of its lists (taken once per mask, on
+    the host); False skips the check and its host synchronisation.
 
     Returns this rank's output shard (B, H, L_r, Dv), or (out, lse).
     """
@@ -1414,30 +1534,43 @@ def context_parallel_block_sparse_attention(
     from .ops import block_sparse_attention
 
     rank, world = _group_info(group)
-    if not isinstance(mask, BlockSparseMask):
-        raise TypeError(f"mask must be a BlockSparseMask of the whole sequence, got {type(mask).__name__}")
-    _args.check_inputs(query, key, value)
-    seq_len = mask.seq_lengths[1]
-    if mask.seq_lengths[0] != seq_len:
-        raise ValueError(f"the mask must be square over the whole sequence, got seq_lengths={mask.seq_lengths}")
-    bounds = chunk_bounds(seq_len, world, layout)
-    mine = sum(n for _, n in bounds[rank])
-    if query.shape[2] != mine or key.shape[2] != mine:
-        raise ValueError(
-            f"rank {rank}'s shards have {query.shape[2]} / {key.shape[2]} tokens; the {layout} layout of the mask's "
-            f"{seq_len} tokens over {world} ranks gives it {mine}"
-        )
-    starts = [off for chunks in bounds for off, _ in chunks]
-    if any(off % max(mask.block_size) for off in starts):
-        raise ValueError(
-            f"every chunk must start at a multiple of the mask's blocks ({max(mask.block_size)}): "
-            f"the {layout} layout of {seq_len} tokens over {world} ranks starts chunks at {sorted(starts)}"
-        )
-    kb = mask.kv_block
-    if seq_len % kb:
-        raise ValueError(f"the sequence length ({seq_len}) must be a multiple of the mask's key block ({kb})")
-    if method not in (None, "alltoall", "allgather"):
-        raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
+    failed, fields = None, {}
+    try:  # this rank's checks; their error is raised after the ranks agree (_agree)
+        if not isinstance(mask, BlockSparseMask):
+            raise TypeError(f"mask must be a BlockSparseMask of the whole sequence, got {type(mask).__name__}")
+        _args.check_inputs(query, key, value)
+        seq_len = mask.seq_lengths[1]
+        if mask.seq_lengths[0] != seq_len:
+            raise ValueError(f"the mask must be square over the whole sequence, got seq_lengths={mask.seq_lengths}")
+        bounds = chunk_bounds(seq_len, world, layout)
+        mine = sum(n for _, n in bounds[rank])
+        if query.shape[2] != mine or key.shape[2] != mine:
+            raise ValueError(
+                f"rank {rank}'s shards have {query.shape[2]} / {key.shape[2]} tokens; the {layout} layout of the "
+                f"mask's {seq_len} tokens over {world} ranks gives it {mine}"
+            )
+        starts = [off for chunks in bounds for off, _ in chunks]
+        if any(off % max(mask.block_size) for off in starts):
+            raise ValueError(
+                f"every chunk must start at a multiple of the mask's blocks ({max(mask.block_size)}): "
+                f"the {layout} layout of {seq_len} tokens over {world} ranks starts chunks at {sorted(starts)}"
+            )
+        kb = mask.kv_block
+        if seq_len % kb:
+            raise ValueError(f"the sequence length ({seq_len}) must be a multiple of the mask's key block ({kb})")
+        if method not in (None, "alltoall", "allgather"):
+            raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
+        scale = _args.scale(scale)
+        if validate:
+            fields = _call_fields(
+                query, key, value, mask=_mask_fingerprint(mask), scale=scale, layout=layout, method=method
+            )
+    except Exception as error:  # noqa: BLE001  (raised below, on every rank)
+        failed = error
+    if validate:
+        _agree(group, rank, world, query, 0, fields, failed)
+    elif failed is not None:
+        raise failed
     if method is None:
         method = _sparse_method(_needs(mask, bounds, kb))
     # One call over all of this rank's rows: K and V laid out as the exchange says (this shard,
@@ -1738,7 +1871,9 @@ def context_parallel_topk_attention(
     K/V gradients going back to their owners), or K/V whole (``"allgather"``). None: the
     all-to-all unless some rank needs more than half of the other ranks' rows (the same decision on
     every rank: one all-reduce of the counts). The exact mode always takes the all-gather (its K is
-    whole already).
+    whole already). Before any exchange the ranks' arguments are checked against each other (as
+    ``validate`` does in :func:`context_parallel_attention`; here always: its all-gather sums the
+    shards' lengths).
 
     Parameters
     ----------
@@ -1760,28 +1895,42 @@ def context_parallel_topk_attention(
     from .ops import _attend_selection, _result
 
     rank, world = _group_info(group)
-    _args.check_inputs(query, key, value)
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k must be a positive int, got {k!r}")
-    if method not in (None, "alltoall", "allgather"):
-        raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
+    failed, fields = None, {}
     indexer = [t is not None for t in (index_query, index_key, index_weights)]
-    if any(indexer) and not all(indexer):
-        raise ValueError("index_query, index_key and index_weights must be given together")
-    if key.shape[2] != query.shape[2]:
-        raise ValueError(f"query and key shards must have the same length, got {query.shape[2]} and {key.shape[2]}")
-    if all(indexer):  # the indexer's shards: this rank's tokens too ((B, L_r, HI, DI), (B, L_r, DI), (B, L_r, HI))
-        for name, t in (("index_query", index_query), ("index_key", index_key), ("index_weights", index_weights)):
-            if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] != query.shape[2]:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must hold this rank's {query.shape[2]} tokens in dim 1, got {got}")
-    total = torch.tensor([query.shape[2]], dtype=torch.int64, device=query.device)
-    dist.all_reduce(total, group=group)
-    seq_len = int(total.item())
-    bounds = chunk_bounds(seq_len, world, layout)
-    if query.shape[2] != sum(n for _, n in bounds[rank]):
-        raise ValueError(f"rank {rank}'s shard has {query.shape[2]} tokens; the {layout} layout gives it another count")
-    scale = _args.scale(scale)
+    try:  # this rank's checks; their error is raised after the ranks agree (_agree)
+        _args.check_inputs(query, key, value)
+        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        if method not in (None, "alltoall", "allgather"):
+            raise ValueError(f"method must be None, 'alltoall' or 'allgather', got {method!r}")
+        if any(indexer) and not all(indexer):
+            raise ValueError("index_query, index_key and index_weights must be given together")
+        if key.shape[2] != query.shape[2]:
+            raise ValueError(f"query and key shards must have the same length, got {query.shape[2]} and {key.shape[2]}")
+        index_shapes = None
+        if all(indexer):  # the indexer's shards: this rank's tokens too ((B, L_r, HI, DI), (B, L_r, DI), (B, L_r, HI))
+            for name, t in (("index_query", index_query), ("index_key", index_key), ("index_weights", index_weights)):
+                if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] != query.shape[2]:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"{name} must hold this rank's {query.shape[2]} tokens in dim 1, got {got}")
+            index_shapes = tuple((t.shape[2:], t.dtype) for t in (index_query, index_key, index_weights))
+        scale = _args.scale(scale)
+        fields = _call_fields(
+            query,
+            key,
+            value,
+            k=k,
+            causal=bool(causal),
+            scale=scale,
+            layout=layout,
+            method=method,
+            **{"the indexer's shapes but B and L, and dtypes (None: exact scores)": index_shapes},
+        )
+    except Exception as error:  # noqa: BLE001  (raised below, on every rank)
+        failed = error
+    lengths = _agree(group, rank, world, query, 0 if failed else query.shape[2], fields, failed)
+    seq_len = sum(lengths)
+    bounds = _shard_lengths_fit(lengths, seq_len, layout)
 
     # 1. Selection, per local chunk [qo, qo + lq) against the keys [0, end) it may see (bottom-right
     #    alignment of lq queries on the prefix puts query i at position qo + i).

@@ -136,6 +136,18 @@ def _worker(rank: int, world: int, port: int, errors, backend: str = "gloo"):
                     cp._ROUND_STREAMS = streams
                 if not torch.equal(plain, out.detach()):
                     errors.put(f"rank {rank} {case}: {streams} round streams differ from one")
+            # seq_len given and the ranks' check skipped: the same result
+            unchecked = cp.context_parallel_attention(
+                *(t.detach() for t in local),
+                causal=causal,
+                window=window,
+                layout=layout,
+                method=method,
+                seq_len=length,
+                validate=False,
+            )
+            if not torch.equal(unchecked, out.detach()):
+                errors.put(f"rank {rank} {case}: validate=False gives another result")
             before = len(ring_calls)
             grads = torch.autograd.grad(out, local, cp.shard_sequence(dout, layout=layout))
             _compare_shards(errors, f"rank {rank} {case}", (out, *grads, lse), (ref, *ref_grads, ref_lse), layout, tol)
@@ -490,6 +502,66 @@ def _bad_input_cases(rank: int, world: int, errors) -> None:
                 lambda: cp.context_parallel_attention(*local, group=only_first),
             )
         )
+    # Arguments that differ between the ranks, or bad on one rank only: every rank raises (no rank
+    # left waiting in a collective, no schedule run on arguments the ranks disagree on).
+    last = world - 1
+    n = 2 * world * 64  # chunks of whole 64-token blocks
+    blocks = [cp.shard_sequence(torch.randn(1, 2, n, 32, generator=g)) for _ in range(3)]
+    mask = sparse_attn.patterns.sliding_window(n, (100, 0), block_size=64)
+    other = sparse_attn.patterns.sliding_window(n, (200, 0), block_size=64)
+    bad_dtype = [local[0].double() if rank == last else local[0], *local[1:]]
+    cut = [t[:, :, : t.shape[2] - (rank == last)] for t in local]  # the last rank one token short
+    rejected = f"rank(s) [{last}] of the group rejected their arguments"
+    cases += [
+        (
+            "causal on one rank only",
+            ValueError,
+            "causal must be the same on every rank",
+            lambda: cp.context_parallel_attention(*local, causal=rank == 0),
+        ),
+        (
+            "seq_len given with another value on one rank",
+            ValueError,
+            "seq_len must be the same on every rank",
+            lambda: cp.context_parallel_attention(*local, seq_len=64 + (rank == last)),
+        ),
+        (
+            "a dtype one rank's checks reject",
+            (ValueError, RuntimeError),
+            "dtype" if rank == last else rejected,
+            lambda: cp.context_parallel_attention(*bad_dtype),
+        ),
+        (
+            "a shard one token short on one rank",
+            ValueError,
+            "the ranks' shards have",
+            lambda: cp.context_parallel_attention(*cut, causal=True),
+        ),
+        (
+            "gradients recorded on one rank only",
+            ValueError,
+            "whether autograd records the call",
+            lambda: cp.context_parallel_attention(*(t if rank == 0 else t.detach() for t in local)),
+        ),
+        (
+            "another mask on one rank",
+            ValueError,
+            "mask must be the same on every rank",
+            lambda: cp.context_parallel_block_sparse_attention(*blocks, other if rank == last else mask),
+        ),
+        (
+            "another k on one rank",
+            ValueError,
+            "k must be the same on every rank",
+            lambda: cp.context_parallel_topk_attention(*local, 8 + (rank == last)),
+        ),
+        (
+            "a bad k on one rank",
+            ValueError,
+            "k must be a positive int" if rank == last else rejected,
+            lambda: cp.context_parallel_topk_attention(*local, 0 if rank == last else 8),
+        ),
+    ]
     for name, exc, match, call in cases:
         try:
             call()
