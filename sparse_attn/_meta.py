@@ -189,6 +189,15 @@ def _selection_mask(indices, key_length, heads, q_block, kv_block, causal, row_o
     )
 
 
+@torch.library.register_fake("sparse_attn::_selection_union")
+def _selection_union(indices, key_length, q_block, kv_block, causal, row_offset, entry_block=1, samples=-1):
+    _check(indices.dtype == torch.int32, f"indices must be int32, got {indices.dtype}")
+    _check(indices.dim() == 4, f"indices must be 4-D (B, G, Lq, k), got {indices.dim()}-D")
+    _check(q_block in (64, 128) and kv_block in (64, 128), "q_block and kv_block must be 64 or 128")
+    _check(entry_block in (1, 64, 128), f"entry_block must be 1 (keys), 64 or 128 (key blocks), got {entry_block}")
+    return indices.new_empty((), dtype=torch.int64)
+
+
 @torch.library.register_fake("sparse_attn::_canonical_selection")
 def _canonical_selection(indices):
     _check(indices.dtype == torch.int32 and indices.dim() >= 1, "indices must be int32 with a last dimension")

@@ -189,12 +189,12 @@ def selection_route(
 # take 37 of their 512 blocks).
 _UNION_MEASURE_SHARE = 0.05
 _UNION_MIN_SAMPLE_BLOCKS = 8
-_UNION_MEASURE_BYTES_PER_S = {"cuda": 0.15e12, "cpu": 0.25e9}
+_UNION_MEASURE_BYTES_PER_S = {"cuda": 2.4e12, "cpu": 5.0e9}  # 8 bytes an entry: 300 G entries/s on CUDA
 # ... plus a fixed cost: on CUDA the host read stalls the launches, so the GPU idles while the
 # host chooses and launches the attention (H100: gather 0.37 -> 1.03 ms at 16k, k = 256, when
-# measured; docs/PERF_LOG.md); on the CPU the ops' own overhead (0.07-0.11 ms for selections of
-# 128-4096 entries, a 2-core Xeon).
-_UNION_MEASURE_FIXED_S = {"cuda": 0.7e-3, "cpu": 0.1e-3}
+# measured; docs/PERF_LOG.md); on the CPU the op's own overhead (2-core Xeon: 0.19 ms for 0.13 M
+# entries, 12.5 ms for 8.4 M).
+_UNION_MEASURE_FIXED_S = {"cuda": 0.7e-3, "cpu": 0.05e-3}
 
 
 def union_measure(route: Route, query, entries_shape, cuda: bool | None = None) -> tuple[int, int, int] | None:

@@ -356,37 +356,14 @@ def selection_union(
 ) -> float:
     """The share of the (query block, key block) pairs a selection (entries of ``entry_block`` keys,
     -1 for none) touches, over the pairs the masked route could list: what the block kernel would
-    compute, relative to dense. A few passes over the entries and one host read (the cost model's
-    input for selections whose union it cannot know from shapes). ``max_entries``: a selection
-    holding more is measured on evenly spaced query blocks holding at most that many (an estimate,
-    its cost cut in proportion)."""
+    compute, relative to dense. One pass over the entries (``_selection_union``) and one host read
+    (the cost model's input for selections whose union it cannot know from shapes). ``max_entries``:
+    a selection holding more is measured on evenly spaced query blocks holding at most that many
+    (an estimate, its cost cut in proportion)."""
     b, g, k = entries.shape[0], entries.shape[1], entries.shape[-1]
-    nqb, nkb = -(-lq // block), -(-lk // block)
-    dev = entries.device
-    blocks = list(range(nqb))
+    nqb = -(-lq // block)
     n = union_sample_blocks((b, g, lq, k), max_entries, block)
-    if n < nqb:
-        blocks = sorted({(2 * i + 1) * nqb // (2 * n) for i in range(n)})  # the middles of n equal parts
-    rows = torch.arange(lq)
-    if len(blocks) < nqb:  # (built on the host: no synchronisation before the one read below)
-        rows = (torch.tensor(blocks, dtype=torch.long)[:, None] * block + torch.arange(block)).flatten()
-        rows = rows[rows < lq]
-    slot = torch.full((nqb,), -1, dtype=torch.long)  # query block -> its place among those measured
-    slot[torch.tensor(blocks, dtype=torch.long)] = torch.arange(len(blocks))
-    slot, rows = slot[rows // block].to(dev), rows.to(dev)
-    if len(blocks) < nqb:
-        entries = entries.index_select(2, rows)
-    valid = (entries >= 0) & (entries < -(-lk // entry_block))  # tested before the product can overflow
-    first = torch.where(valid, entries, 0) * entry_block
-    if causal:
-        valid &= first <= (rows.to(torch.int32) + (lk - lq))[:, None]
-    # One row of nkb + 1 flags per (b, g, query block); invalid entries land in the last column.
-    cols = nkb + 1
-    base = (torch.arange(b * g, device=dev).view(b, g, 1, 1) * len(blocks) + slot[:, None]) * cols
-    grid = torch.zeros(b * g * len(blocks) * cols, dtype=torch.bool, device=dev)
-    ends = (first,) if entry_block <= 1 else (first, (first + entry_block - 1).clamp(max=lk - 1))
-    for key in ends:  # an entry spans at most two key blocks
-        grid[base + torch.where(valid, key // block, nkb)] = True
-    touched = grid.view(-1, cols)[:, :nkb].sum()
+    touched = _ops._selection_union.default(entries, lk, block, block, causal, lk - lq, entry_block, n)
+    blocks = [(2 * i + 1) * nqb // (2 * n) for i in range(n)]  # the middles of n equal parts (all: n = nqb)
     pairs = sum(_block_cap(qb, lq, lk, block, block, causal, lk - lq) for qb in blocks)
     return touched.item() / max(1, b * g * pairs)

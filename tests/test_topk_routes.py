@@ -291,6 +291,30 @@ def test_selection_mask_of_key_blocks_equals_their_keys(entry_block, kv_block, c
         assert torch.equal(a.cpu(), w.cpu())
 
 
+@pytest.mark.parametrize("entry_block", [1, 64, 128])
+@pytest.mark.parametrize("blocks", [(128, 128), (64, 64), (64, 128), (128, 64)], ids=str)
+@pytest.mark.parametrize("dims", [(2, 3, 300, 333, 40, True), (1, 2, 190, 70, 500, False)], ids=["causal", "full"])
+def test_selection_union_counts_the_blocks_the_mask_lists(dims, blocks, entry_block, device):
+    """_selection_union's count (every query block, and evenly spaced samples of them) is the number
+    of key blocks _selection_mask lists there; shuffled rows and -1 entries included."""
+    b, g, lq, lk, k, causal = dims
+    qb, kvb = blocks
+    if entry_block > 1:
+        k = 6
+    idx = random_selection(b, g, lq, -(-lk // entry_block), k, False, seed=k + qb, device="cpu", ascending=False)
+    idx = idx.to(device)
+    num = _ops._selection_mask(idx, lk, g, qb, kvb, causal, lk - lq, entry_block)[0]  # (B, G, nqb)
+    nqb = num.shape[-1]
+    for samples in (-1, nqb, 1, 2, nqb - 1):
+        n = nqb if samples == -1 else samples
+        chosen = [(2 * i + 1) * nqb // (2 * n) for i in range(n)]
+        got = _ops._selection_union(idx, lk, qb, kvb, causal, lk - lq, entry_block, samples)
+        assert got.device == idx.device and got.dtype == torch.int64 and got.dim() == 0
+        assert got.item() == num[..., chosen].sum().item(), (samples, chosen)
+    with pytest.raises((RuntimeError, ValueError), match="samples must be"):
+        _ops._selection_union(idx, lk, qb, kvb, causal, lk - lq, entry_block, nqb + 1)
+
+
 def test_measured_union_picks_the_block_route_for_clustered_selections(monkeypatch):
     """Shapes alone pick the gather (k is small against the keys); a selection confined to the
     first key block (sinks) touches one block per query block, and its measured union turns the
@@ -349,7 +373,9 @@ def test_explain_says_when_a_call_measures_the_union():
     big = torch.empty(1, 16, 65536, 128, dtype=torch.bfloat16)  # never read
     plan = sparse_attn.explain("topk_attention", big, big, big, 256, causal=True, target="sm90")
     assert "an eager call first measures the selection's union" in plan.why
-    assert "13 of its 512 query blocks" in plan.why
+    route = _plan.selection_route(big, big, big, 16, 256, True, cuda=True)
+    blocks = _plan.union_measure(route, big, (1, 16, 65536, 256), cuda=True)[1]
+    assert 8 <= blocks < 512 and f"{blocks} of its 512 query blocks" in plan.why, plan.why
     small = torch.empty(1, 16, 4096, 128, dtype=torch.bfloat16)
     plan = sparse_attn.explain("topk_attention", small, small, small, 256, causal=True, target="sm90")
     assert "gather" in plan.why and "measures" not in plan.why  # 1.3 ms of gather: shapes decide

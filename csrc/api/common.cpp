@@ -414,9 +414,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_document_m
   return {num, kvi, kvp, words};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_mask(
-    SelectionMaskParams& params, at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block,
-    int64_t kv_block, bool causal, int64_t row_offset, int64_t entry_block) {
+namespace {
+
+// The checks and geometry _selection_mask and _selection_union share: params but the outputs.
+// Returns (partial rows per (b, g), the longest list).
+std::pair<int64_t, int64_t> selection_geometry(SelectionMaskParams& params, at::Tensor& indices, int64_t key_length,
+                                               int64_t heads, int64_t q_block, int64_t kv_block, bool causal,
+                                               int64_t row_offset, int64_t entry_block) {
   check_int32(indices, "indices");
   TORCH_CHECK(entry_block == 1 || entry_block == 64 || entry_block == 128,
               "entry_block must be 1 (keys), 64 or 128 (key blocks), got ", entry_block);
@@ -442,11 +446,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_
     max_kb = std::max<int64_t>(max_kb, cap);
   }
   const int64_t out_heads = g == 1 ? 1 : heads;
-  const auto i32 = indices.options().dtype(at::kInt);
-  at::Tensor num = at::empty({b, out_heads, nqb}, i32);
-  at::Tensor kvi = at::empty({b, out_heads, nqb, max_kb}, i32);
-  at::Tensor kvp = at::empty({b, out_heads, nqb, max_kb}, i32);
-  at::Tensor words = at::zeros({b * g * pairs, q_block, kv_block / 32}, i32);
   params = {};
   params.indices = indices.data_ptr<int32_t>();
   params.entry_block = int(entry_block);
@@ -468,11 +467,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_
   params.causal = causal;
   params.row_offset = row_offset;
   params.pairs = pairs;
+  return {pairs, max_kb};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_mask(
+    SelectionMaskParams& params, at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block,
+    int64_t kv_block, bool causal, int64_t row_offset, int64_t entry_block) {
+  const auto [pairs, max_kb] =
+      selection_geometry(params, indices, key_length, heads, q_block, kv_block, causal, row_offset, entry_block);
+  const auto i32 = indices.options().dtype(at::kInt);
+  at::Tensor num = at::empty({params.b, params.out_heads, params.nqb}, i32);
+  at::Tensor kvi = at::empty({params.b, params.out_heads, params.nqb, max_kb}, i32);
+  at::Tensor kvp = at::empty({params.b, params.out_heads, params.nqb, max_kb}, i32);
+  at::Tensor words = at::zeros({params.b * params.g * pairs, q_block, kv_block / 32}, i32);
   params.kv_num_blocks = num.data_ptr<int32_t>();
   params.kv_indices = kvi.data_ptr<int32_t>();
   params.kv_partial = kvp.data_ptr<int32_t>();
   params.words = reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>());
   return {num, kvi, kvp, words};
+}
+
+int set_params_selection_union(SelectionMaskParams& params, at::Tensor& indices, int64_t key_length,
+                               int64_t q_block, int64_t kv_block, bool causal, int64_t row_offset,
+                               int64_t entry_block, int64_t samples) {
+  const int64_t groups = indices.dim() == 4 ? std::max<int64_t>(1, indices.size(1)) : 1;
+  selection_geometry(params, indices, key_length, groups, q_block, kv_block, causal, row_offset, entry_block);
+  TORCH_CHECK(samples == -1 || (samples >= 1 && samples <= params.nqb),
+              "samples must be -1 (every query block) or in [1, ", params.nqb, "], got ", samples);
+  return samples == -1 ? params.nqb : int(samples);
 }
 
 at::Tensor set_params_select(TopkSelectParams& params, const at::Tensor& query, const at::Tensor& key,

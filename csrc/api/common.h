@@ -82,6 +82,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_
     SelectionMaskParams& params, at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block,
     int64_t kv_block, bool causal, int64_t row_offset, int64_t entry_block);
 
+// _selection_union's checks (those of _selection_mask) and params; returns the query blocks to
+// measure (samples, or every one for -1).
+int set_params_selection_union(SelectionMaskParams& params, at::Tensor& indices, int64_t key_length,
+                               int64_t q_block, int64_t kv_block, bool causal, int64_t row_offset,
+                               int64_t entry_block, int64_t samples);
+
 // _document_mask's checks and outputs (sparse_attn/document_mask.h): cu_seqlens_q / _k (B + 1,)
 // int32 and partial_offsets (nQb + 1,) int64 on one device; the outputs allocated and the params
 // pointing into them. Returns (kv_num_blocks, kv_indices, kv_partial, partial_masks).

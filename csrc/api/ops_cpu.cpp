@@ -133,6 +133,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cpu(
   return out;
 }
 
+at::Tensor selection_union_cpu(const at::Tensor& indices, int64_t key_length, int64_t q_block, int64_t kv_block,
+                               bool causal, int64_t row_offset, int64_t entry_block, int64_t samples) {
+  check_cpu(indices);
+  at::Tensor idx = indices;
+  SelectionMaskParams params;
+  const int n =
+      set_params_selection_union(params, idx, key_length, q_block, kv_block, causal, row_offset, entry_block, samples);
+  return at::scalar_tensor(cpu::selection_union(params, n), indices.options().dtype(at::kLong));
+}
+
 at::Tensor canonical_selection_cpu(const at::Tensor& indices) {
   check_cpu(indices);
   TORCH_CHECK(indices.scalar_type() == at::kInt, "indices must be int32, got ", indices.scalar_type());
@@ -238,6 +248,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CPU, m) {
   m.impl("gather_fwd", &gather_fwd_cpu);
   m.impl("topk_select", &topk_select_cpu);
   m.impl("_selection_mask", &selection_mask_cpu);
+  m.impl("_selection_union", &selection_union_cpu);
   m.impl("_canonical_selection", &canonical_selection_cpu);
   m.impl("_document_mask", &document_mask_cpu);
   m.impl("indexer_select", &indexer_select_cpu);

@@ -293,6 +293,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cuda(
   return out;
 }
 
+at::Tensor selection_union_cuda(const at::Tensor& indices, int64_t key_length, int64_t q_block, int64_t kv_block,
+                                bool causal, int64_t row_offset, int64_t entry_block, int64_t samples) {
+  check_cuda(indices);
+  const c10::cuda::CUDAGuard guard(indices.device());
+  at::Tensor idx = indices;
+  SelectionMaskParams params;
+  const int n =
+      set_params_selection_union(params, idx, key_length, q_block, kv_block, causal, row_offset, entry_block, samples);
+  at::Tensor count = at::zeros({}, indices.options().dtype(at::kLong));
+  check_launch(run_selection_union(params, n, reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()),
+                                   c10::cuda::getCurrentCUDAStream()),
+               "selection_union");
+  return count;
+}
+
 at::Tensor canonical_selection_cuda(const at::Tensor& indices) {
   check_cuda(indices);
   TORCH_CHECK(indices.scalar_type() == at::kInt, "indices must be int32, got ", indices.scalar_type());
@@ -617,6 +632,7 @@ TORCH_LIBRARY_IMPL(sparse_attn, CUDA, m) {
   m.impl("gather_fwd", &gather_fwd_cuda);
   m.impl("topk_select", &topk_select_cuda);
   m.impl("_selection_mask", &selection_mask_cuda);
+  m.impl("_selection_union", &selection_union_cuda);
   m.impl("_document_mask", &document_mask_cuda);
   m.impl("_canonical_selection", &canonical_selection_cuda);
   m.impl("indexer_select", &indexer_select_cuda);

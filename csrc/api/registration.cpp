@@ -167,6 +167,13 @@ TORCH_LIBRARY(sparse_attn, m) {
       "int row_offset, int entry_block=1) -> (Tensor kv_num_blocks, Tensor kv_indices, Tensor kv_partial, "
       "Tensor partial_masks)");
 
+  // How many (b, g, query block, key block) pairs a selection touches, over `samples` evenly spaced
+  // query blocks (-1: all; sparse_attn/selection_mask.h): the block pairs _selection_mask would
+  // list there, without building it (the masked route's cost model). A 0-d int64 tensor.
+  m.def(
+      "_selection_union(Tensor indices, int key_length, int q_block, int kv_block, bool causal, int row_offset, "
+      "int entry_block=1, int samples=-1) -> Tensor");
+
   // A user's selection (..., k) in topk_attention's form: each row's distinct non-negative entries
   // ascending, then -1s (CPU: sparse_attn/selection_mask.h; CUDA, k <= 4096: sparse_attn/cuda/topk.h;
   // the reference: _routes.drop_repeats).

@@ -84,6 +84,32 @@ void selection_mask(const SelectionMaskParams& p) {
   }
 }
 
+int64_t selection_union(const SelectionMaskParams& p, int samples) {
+  const int64_t tasks = int64_t(p.b) * p.g * samples;
+  int64_t total = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : total)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int qb = union_sample_block(int(t % samples), samples, p.nqb);
+    const int g = int(t / samples % p.g), b = int(t / samples / p.g);
+    const int cap = selection_block_cap(qb, p.lq, p.q_block, p.kv_block, p.nkb, p.causal, p.row_offset);
+    std::vector<char> touched(size_t(cap), 0);
+    const int rows = std::min(p.q_block, p.lq - qb * p.q_block);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t row_global = int64_t(qb) * p.q_block + r;
+      const int32_t* row =
+          p.indices + b * p.idx_batch_stride + g * p.idx_group_stride + row_global * p.idx_row_stride;
+      const int64_t limit = p.causal ? std::min<int64_t>(p.lk, row_global + p.row_offset + 1) : int64_t(p.lk);
+      for (int j = 0; j < p.k; ++j) {
+        if (row[j] < 0) continue;
+        const int64_t a = int64_t(row[j]) * p.entry_block;
+        for_key_range(a, a + p.entry_block, limit, p.kv_block, cap, [&](int kb, uint64_t, uint64_t) { touched[kb] = 1; });
+      }
+    }
+    total += std::count(touched.begin(), touched.end(), char(1));
+  }
+  return total;
+}
+
 // Rows already in the form (strictly ascending entries, then only -1s) are copied; others sorted,
 // their repeats and negative entries dropped, -1s after.
 void canonical_selection(const int32_t* in, int32_t* out, int64_t rows, int k) {

@@ -30,6 +30,36 @@ __device__ __forceinline__ void flush_bits(uint32_t* row_words, int words, uint6
   if (words == 4 && hi) atomicOr(w64 + 1, (unsigned long long)hi);
 }
 
+// take(entry) for each of a row's k entries in order: 16-byte loads, two in flight, where the
+// layout allows.
+template <typename Take>
+__device__ __forceinline__ void walk_row(const SelectionMaskParams& p, const int32_t* row, Take&& take) {
+  int j = 0;
+  if (p.idx_row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0 &&
+      p.idx_batch_stride % 4 == 0 && p.idx_group_stride % 4 == 0) {
+    for (; j + 8 <= p.k; j += 8) {  // two loads in flight before the first is used
+      const int4 v = __ldg(reinterpret_cast<const int4*>(row + j));
+      const int4 u = __ldg(reinterpret_cast<const int4*>(row + j + 4));
+      take(v.x);
+      take(v.y);
+      take(v.z);
+      take(v.w);
+      take(u.x);
+      take(u.y);
+      take(u.z);
+      take(u.w);
+    }
+    for (; j + 4 <= p.k; j += 4) {
+      const int4 v = __ldg(reinterpret_cast<const int4*>(row + j));
+      take(v.x);
+      take(v.y);
+      take(v.z);
+      take(v.w);
+    }
+  }
+  for (; j < p.k; ++j) take(__ldg(row + j));
+}
+
 // kKvBlock: p.kv_block (64 or 128) as a constant, so a key's block and column are shifts and masks.
 template <int kKvBlock>
 __global__ void selection_mask_kernel(const SelectionMaskParams p) {
@@ -86,30 +116,7 @@ __global__ void selection_mask_kernel(const SelectionMaskParams p) {
         for_key_range(a, a + p.entry_block, limit, kKvBlock, cap, add);
       }
     };
-    int j = 0;
-    if (p.idx_row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0 &&
-        p.idx_batch_stride % 4 == 0 && p.idx_group_stride % 4 == 0) {
-      for (; j + 8 <= p.k; j += 8) {  // two loads in flight before the first is used
-        const int4 v = __ldg(reinterpret_cast<const int4*>(row + j));
-        const int4 u = __ldg(reinterpret_cast<const int4*>(row + j + 4));
-        take(v.x);
-        take(v.y);
-        take(v.z);
-        take(v.w);
-        take(u.x);
-        take(u.y);
-        take(u.z);
-        take(u.w);
-      }
-      for (; j + 4 <= p.k; j += 4) {
-        const int4 v = __ldg(reinterpret_cast<const int4*>(row + j));
-        take(v.x);
-        take(v.y);
-        take(v.z);
-        take(v.w);
-      }
-    }
-    for (; j < p.k; ++j) take(__ldg(row + j));
+    walk_row(p, row, take);
     if (cur >= 0) flush_bits(p.words + ((first_pair + cur) * p.q_block + tid) * words, words, lo, hi, ascending);
   }
   __syncthreads();  // the rows' words and the touched bitmap, visible to the whole block
@@ -163,6 +170,50 @@ __global__ void selection_mask_kernel(const SelectionMaskParams p) {
   }
 }
 
+// _selection_union (selection_mask.h): one CTA of q_block threads per (sampled query block, group,
+// batch), a thread per row walking its entries as the builder does, the key blocks touched marked in
+// a shared bitmap; each warp adds its share of the bitmap's bits to *count.
+template <int kKvBlock>
+__global__ void selection_union_kernel(const SelectionMaskParams p, int samples, unsigned long long* count) {
+  extern __shared__ uint32_t touched[];
+  const int qb = union_sample_block(blockIdx.x, samples, p.nqb), g = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int cap = selection_block_cap(qb, p.lq, p.q_block, kKvBlock, p.nkb, p.causal, p.row_offset);
+  const int nw = (cap + 31) / 32;
+  for (int i = tid; i < nw; i += blockDim.x) touched[i] = 0;
+  __syncthreads();
+  const int rows = min(p.q_block, p.lq - qb * p.q_block);
+  if (tid < rows) {
+    const int64_t row_global = int64_t(qb) * p.q_block + tid;
+    const int32_t* row = p.indices + b * p.idx_batch_stride + g * p.idx_group_stride + row_global * p.idx_row_stride;
+    const int64_t limit = p.causal ? min(int64_t(p.lk), row_global + p.row_offset + 1) : int64_t(p.lk);
+    int cur = -1;
+    auto mark = [&](int kb, uint64_t, uint64_t) {
+      if (kb == cur) return;
+      cur = kb;
+      atomicOr(&touched[kb >> 5], 1u << (kb & 31));
+    };
+    if (p.entry_block == 1) {
+      walk_row(p, row, [&](int32_t entry) {
+        constexpr int kShift = kKvBlock == 128 ? 7 : 6;
+        if (entry < 0 || entry >= limit || (entry >> kShift) >= cap) return;
+        mark(entry >> kShift, 0, 0);
+      });
+    } else {
+      walk_row(p, row, [&](int32_t entry) {
+        if (entry < 0) return;
+        const int64_t a = int64_t(entry) * p.entry_block;
+        for_key_range(a, a + p.entry_block, limit, kKvBlock, cap, mark);
+      });
+    }
+  }
+  __syncthreads();
+  unsigned c = 0;
+  for (int i = tid; i < nw; i += blockDim.x) c += __popc(touched[i]);
+  for (int o = 16; o; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+  if ((tid & 31) == 0 && c) atomicAdd(count, (unsigned long long)c);
+}
+
 }  // namespace
 }  // namespace cuda
 
@@ -179,6 +230,22 @@ cudaError_t run_selection_mask(const SelectionMaskParams& p, cudaStream_t stream
     cuda::selection_mask_kernel<128><<<grid, unsigned(p.q_block), smem, stream>>>(p);
   else
     cuda::selection_mask_kernel<64><<<grid, unsigned(p.q_block), smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t run_selection_union(const SelectionMaskParams& p, int samples, unsigned long long* count,
+                                cudaStream_t stream) {
+  if (int64_t(p.b) * p.g * samples == 0) return cudaSuccess;
+  if ((p.q_block != 64 && p.q_block != 128) || (p.kv_block != 64 && p.kv_block != 128) || p.g > 65535 ||
+      p.b > 65535 || samples > p.nqb)
+    return cudaErrorInvalidValue;
+  const size_t smem = size_t((p.nkb + 31) / 32) * sizeof(uint32_t);
+  if (smem > 48 * 1024) return cudaErrorInvalidValue;
+  const dim3 grid(unsigned(samples), unsigned(p.g), unsigned(p.b));
+  if (p.kv_block == 128)
+    cuda::selection_union_kernel<128><<<grid, unsigned(p.q_block), smem, stream>>>(p, samples, count);
+  else
+    cuda::selection_union_kernel<64><<<grid, unsigned(p.q_block), smem, stream>>>(p, samples, count);
   return cudaGetLastError();
 }
 

@@ -73,8 +73,17 @@ SA_HD void for_key_range(int64_t a, int64_t e, int64_t limit, int kv_block, int 
   }
 }
 
+// _selection_union's query blocks: of `samples` (1..nqb), the i-th is the middle of the i-th of
+// `samples` equal parts (every block, in order, when samples == nqb).
+SA_HD int union_sample_block(int i, int samples, int nqb) {
+  return int((2 * int64_t(i) + 1) * nqb / (2 * int64_t(samples)));
+}
+
 namespace cpu {
 void selection_mask(const SelectionMaskParams& p);
+// The (b, g, query block, key block) pairs a selection touches, over `samples` query blocks
+// (union_sample_block): the blocks selection_mask would list there. p's outputs are not used.
+int64_t selection_union(const SelectionMaskParams& p, int samples);
 // A user's selection (rows of k int32 entries) in topk_attention's form: each row's distinct
 // non-negative entries ascending, then -1s (run_canonical_selection on CUDA, cuda/topk.h).
 void canonical_selection(const int32_t* in, int32_t* out, int64_t rows, int k);

@@ -28,6 +28,9 @@ cudaError_t run_topk_select_(const TopkSelectParams& params, int64_t rows, cudaS
 // A selection as a block-sparse mask (selection_mask.h): one CTA of q_block threads per
 // (query block, group, batch); p.words zeroed beforehand.
 cudaError_t run_selection_mask(const SelectionMaskParams& p, cudaStream_t stream);
+// _selection_union (selection_mask.h): adds the pairs touched in `samples` query blocks to *count.
+cudaError_t run_selection_union(const SelectionMaskParams& p, int samples, unsigned long long* count,
+                                cudaStream_t stream);
 
 // A user's selection (rows of k int32 entries) in topk_attention's form: each row's distinct
 // non-negative entries ascending, then -1s (selection_rows.cu). One CTA per row; k <=
