@@ -30,24 +30,24 @@ __device__ __forceinline__ void flush_bits(uint32_t* row_words, int words, uint6
   if (words == 4 && hi) atomicOr(w64 + 1, (unsigned long long)hi);
 }
 
-// take(entry) for each of a row's k entries in order: 16-byte loads, two in flight, where the
-// layout allows.
+// take(entry) for each of a row's k entries in order: 16-byte loads, four in flight (a row's 64
+// bytes), where the layout allows.
 template <typename Take>
 __device__ __forceinline__ void walk_row(const SelectionMaskParams& p, const int32_t* row, Take&& take) {
   int j = 0;
   if (p.idx_row_stride % 4 == 0 && reinterpret_cast<uintptr_t>(p.indices) % 16 == 0 &&
       p.idx_batch_stride % 4 == 0 && p.idx_group_stride % 4 == 0) {
-    for (; j + 8 <= p.k; j += 8) {  // two loads in flight before the first is used
-      const int4 v = __ldg(reinterpret_cast<const int4*>(row + j));
-      const int4 u = __ldg(reinterpret_cast<const int4*>(row + j + 4));
-      take(v.x);
-      take(v.y);
-      take(v.z);
-      take(v.w);
-      take(u.x);
-      take(u.y);
-      take(u.z);
-      take(u.w);
+    for (; j + 16 <= p.k; j += 16) {  // four loads in flight before the first is used
+      int4 v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = __ldg(reinterpret_cast<const int4*>(row + j + 4 * i));
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        take(v[i].x);
+        take(v[i].y);
+        take(v[i].z);
+        take(v[i].w);
+      }
     }
     for (; j + 4 <= p.k; j += 4) {
       const int4 v = __ldg(reinterpret_cast<const int4*>(row + j));
