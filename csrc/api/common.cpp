@@ -418,9 +418,10 @@ namespace {
 
 // The checks and geometry _selection_mask and _selection_union share: params but the outputs.
 // Returns (partial rows per (b, g), the longest list).
-std::pair<int64_t, int64_t> selection_geometry(SelectionMaskParams& params, at::Tensor& indices, int64_t key_length,
-                                               int64_t heads, int64_t q_block, int64_t kv_block, bool causal,
-                                               int64_t row_offset, int64_t entry_block) {
+std::pair<int64_t, int64_t> selection_geometry(SelectionMaskParams& params, at::Tensor& indices,
+                                               int64_t key_length, int64_t heads, int64_t q_block,
+                                               int64_t kv_block, bool causal, int64_t row_offset,
+                                               int64_t entry_block) {
   check_int32(indices, "indices");
   TORCH_CHECK(entry_block == 1 || entry_block == 64 || entry_block == 128,
               "entry_block must be 1 (keys), 64 or 128 (key blocks), got ", entry_block);
@@ -475,8 +476,8 @@ std::pair<int64_t, int64_t> selection_geometry(SelectionMaskParams& params, at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> set_params_selection_mask(
     SelectionMaskParams& params, at::Tensor& indices, int64_t key_length, int64_t heads, int64_t q_block,
     int64_t kv_block, bool causal, int64_t row_offset, int64_t entry_block) {
-  const auto [pairs, max_kb] =
-      selection_geometry(params, indices, key_length, heads, q_block, kv_block, causal, row_offset, entry_block);
+  const auto [pairs, max_kb] = selection_geometry(params, indices, key_length, heads, q_block, kv_block,
+                                                  causal, row_offset, entry_block);
   const auto i32 = indices.options().dtype(at::kInt);
   at::Tensor num = at::empty({params.b, params.out_heads, params.nqb}, i32);
   at::Tensor kvi = at::empty({params.b, params.out_heads, params.nqb, max_kb}, i32);

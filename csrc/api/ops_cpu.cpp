@@ -133,13 +133,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cpu(
   return out;
 }
 
-at::Tensor selection_union_cpu(const at::Tensor& indices, int64_t key_length, int64_t q_block, int64_t kv_block,
-                               bool causal, int64_t row_offset, int64_t entry_block, int64_t samples) {
+at::Tensor selection_union_cpu(const at::Tensor& indices, int64_t key_length, int64_t q_block,
+                               int64_t kv_block, bool causal, int64_t row_offset, int64_t entry_block,
+                               int64_t samples) {
   check_cpu(indices);
   at::Tensor idx = indices;
   SelectionMaskParams params;
-  const int n =
-      set_params_selection_union(params, idx, key_length, q_block, kv_block, causal, row_offset, entry_block, samples);
+  const int n = set_params_selection_union(params, idx, key_length, q_block, kv_block, causal, row_offset,
+                                           entry_block, samples);
   return at::scalar_tensor(cpu::selection_union(params, n), indices.options().dtype(at::kLong));
 }
 

@@ -293,18 +293,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_mask_cuda(
   return out;
 }
 
-at::Tensor selection_union_cuda(const at::Tensor& indices, int64_t key_length, int64_t q_block, int64_t kv_block,
-                                bool causal, int64_t row_offset, int64_t entry_block, int64_t samples) {
+at::Tensor selection_union_cuda(const at::Tensor& indices, int64_t key_length, int64_t q_block,
+                                int64_t kv_block, bool causal, int64_t row_offset, int64_t entry_block,
+                                int64_t samples) {
   check_cuda(indices);
   const c10::cuda::CUDAGuard guard(indices.device());
   at::Tensor idx = indices;
   SelectionMaskParams params;
-  const int n =
-      set_params_selection_union(params, idx, key_length, q_block, kv_block, causal, row_offset, entry_block, samples);
+  const int n = set_params_selection_union(params, idx, key_length, q_block, kv_block, causal, row_offset,
+                                           entry_block, samples);
   at::Tensor count = at::zeros({}, indices.options().dtype(at::kLong));
-  check_launch(run_selection_union(params, n, reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()),
-                                   c10::cuda::getCurrentCUDAStream()),
-               "selection_union");
+  check_launch(
+      run_selection_union(params, n, reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()),
+                          c10::cuda::getCurrentCUDAStream()),
+      "selection_union");
   return count;
 }
 

@@ -171,7 +171,8 @@ TORCH_LIBRARY(sparse_attn, m) {
   // query blocks (-1: all; sparse_attn/selection_mask.h): the block pairs _selection_mask would
   // list there, without building it (the masked route's cost model). A 0-d int64 tensor.
   m.def(
-      "_selection_union(Tensor indices, int key_length, int q_block, int kv_block, bool causal, int row_offset, "
+      "_selection_union(Tensor indices, int key_length, int q_block, int kv_block, bool causal, int "
+      "row_offset, "
       "int entry_block=1, int samples=-1) -> Tensor");
 
   // A user's selection (..., k) in topk_attention's form: each row's distinct non-negative entries

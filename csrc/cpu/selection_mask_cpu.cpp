@@ -11,6 +11,23 @@
 namespace sparse_attn {
 namespace cpu {
 
+namespace {
+
+// fn(r, row, limit) for each row r of query block qb of (b, g): its entries, and the keys before
+// limit it may see.
+template <typename Fn>
+void for_each_row(const SelectionMaskParams& p, int b, int g, int qb, Fn&& fn) {
+  const int rows = std::min(p.q_block, p.lq - qb * p.q_block);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t row_global = int64_t(qb) * p.q_block + r;
+    const int32_t* row =
+        p.indices + b * p.idx_batch_stride + g * p.idx_group_stride + row_global * p.idx_row_stride;
+    fn(r, row, p.causal ? std::min<int64_t>(p.lk, row_global + p.row_offset + 1) : int64_t(p.lk));
+  }
+}
+
+}  // namespace
+
 void selection_mask(const SelectionMaskParams& p) {
   const int words = p.kv_block / 32;
   const int64_t tasks = int64_t(p.b) * p.g * p.nqb;
@@ -24,11 +41,7 @@ void selection_mask(const SelectionMaskParams& p) {
     const int64_t first_pair = (int64_t(b) * p.g + g) * p.pairs + offset;
     std::vector<char> touched(size_t(cap), 0);
     const int rows = std::min(p.q_block, p.lq - qb * p.q_block);
-    for (int r = 0; r < rows; ++r) {
-      const int64_t row_global = int64_t(qb) * p.q_block + r;
-      const int32_t* row =
-          p.indices + b * p.idx_batch_stride + g * p.idx_group_stride + row_global * p.idx_row_stride;
-      const int64_t limit = p.causal ? std::min<int64_t>(p.lk, row_global + p.row_offset + 1) : int64_t(p.lk);
+    for_each_row(p, b, g, qb, [&](int r, const int32_t* row, int64_t limit) {
       auto add = [&](int kb, uint64_t lo, uint64_t hi) {
         touched[kb] = 1;
         uint32_t* w = p.words + ((first_pair + kb) * p.q_block + r) * words;
@@ -46,14 +59,14 @@ void selection_mask(const SelectionMaskParams& p) {
           touched[kb] = 1;
           row_words[kb * pair_words + (c >> 5)] |= 1u << (c & 31);
         }
-        continue;
+        return;
       }
       for (int j = 0; j < p.k; ++j) {
         if (row[j] < 0) continue;
         const int64_t a = int64_t(row[j]) * p.entry_block;
         for_key_range(a, a + p.entry_block, limit, p.kv_block, cap, add);
       }
-    }
+    });
     // Full blocks: every row of the block (rows past Lq count as full) selects every key before Lk.
     int count = 0;
     for (int kb = 0; kb < cap; ++kb) {
@@ -93,18 +106,14 @@ int64_t selection_union(const SelectionMaskParams& p, int samples) {
     const int g = int(t / samples % p.g), b = int(t / samples / p.g);
     const int cap = selection_block_cap(qb, p.lq, p.q_block, p.kv_block, p.nkb, p.causal, p.row_offset);
     std::vector<char> touched(size_t(cap), 0);
-    const int rows = std::min(p.q_block, p.lq - qb * p.q_block);
-    for (int r = 0; r < rows; ++r) {
-      const int64_t row_global = int64_t(qb) * p.q_block + r;
-      const int32_t* row =
-          p.indices + b * p.idx_batch_stride + g * p.idx_group_stride + row_global * p.idx_row_stride;
-      const int64_t limit = p.causal ? std::min<int64_t>(p.lk, row_global + p.row_offset + 1) : int64_t(p.lk);
+    for_each_row(p, b, g, qb, [&](int, const int32_t* row, int64_t limit) {
       for (int j = 0; j < p.k; ++j) {
         if (row[j] < 0) continue;
         const int64_t a = int64_t(row[j]) * p.entry_block;
-        for_key_range(a, a + p.entry_block, limit, p.kv_block, cap, [&](int kb, uint64_t, uint64_t) { touched[kb] = 1; });
+        for_key_range(a, a + p.entry_block, limit, p.kv_block, cap,
+                      [&](int kb, uint64_t, uint64_t) { touched[kb] = 1; });
       }
-    }
+    });
     total += std::count(touched.begin(), touched.end(), char(1));
   }
   return total;
