@@ -361,6 +361,8 @@ def selection_union(
     a selection holding more is measured on evenly spaced query blocks holding at most that many
     (an estimate, its cost cut in proportion)."""
     b, g, k = entries.shape[0], entries.shape[1], entries.shape[-1]
+    if entries.numel() == 0 or lk == 0:
+        return 0.0
     nqb = -(-lq // block)
     n = union_sample_blocks((b, g, lq, k), max_entries, block)
     touched = _ops._selection_union.default(entries, lk, block, block, causal, lk - lq, entry_block, n)

@@ -103,17 +103,24 @@ def _digest(value) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def _agree(group, rank: int, world: int, query, length: int, fields: dict, failed: Exception | None) -> list[int]:
+def _agree(
+    group, rank: int, world: int, tensors: tuple, length: int, fields: dict, failed: Exception | None
+) -> list[int]:
     """Before any other collective of a call: one all-gather of each rank's shard length, whether its
     own argument checks passed (``failed``: the exception they raised) and ``fields`` (the
     arguments the ranks must share), so that every rank raises when one rank's arguments are bad
     or the ranks' arguments differ, instead of some ranks waiting in a collective the others never
     join, or all of them running a schedule they disagree on (wrong K/V gradients, no error).
-    Returns every rank's shard length. One host synchronisation."""
-    if isinstance(query, torch.Tensor):
-        device = query.device
-    else:  # the bad query is this rank's error; the collective still needs a tensor its backend takes
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    ``tensors``: this rank's (query, key, value), for the device. Returns every rank's shard
+    length. One host synchronisation."""
+    # One rule on every rank, whatever its (possibly bad) arguments: the host where the backend
+    # takes host tensors, else this rank's CUDA device (the first CUDA tensor's, or the current one).
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        on_cuda = [t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
+        device = on_cuda[0] if on_cuda else torch.device("cuda", torch.cuda.current_device())
+    if len(fields) > _AGREED_FIELDS:
+        raise AssertionError(f"{len(fields)} arguments to agree on; the all-gather holds {_AGREED_FIELDS}")
     digests = [] if failed is not None else [_digest(v) for v in fields.values()]
     digests += [0] * (_AGREED_FIELDS - len(digests))  # one size on every rank, failed or not
     mine = torch.tensor([int(failed is not None), length, *digests], dtype=torch.int64, device=device)
@@ -921,7 +928,8 @@ def context_parallel_attention(
         window, scale, seq_len, layout, schedule, whether autograd records the call), where a
         mismatch would otherwise leave ranks waiting in a collective or give wrong gradients. The
         check is always made when ``seq_len`` is not given (the all-gather sums the shards);
-        ``validate=False`` with ``seq_len`` skips it.
+        ``validate=False`` with ``seq_len`` skips it (on every rank alike: a rank that checks waits
+        for the others; and for CUDA-graph capture, which allows no host synchronisation).
 
     Returns
     -------
@@ -959,7 +967,7 @@ def context_parallel_attention(
     except Exception as error:  # noqa: BLE001  (raised below, on every rank)
         failed = error
     if seq_len is None or validate:
-        lengths = _agree(group, rank, world, query, 0 if failed else query.shape[2], fields, failed)
+        lengths = _agree(group, rank, world, (query, key, value), 0 if failed else query.shape[2], fields, failed)
         bounds = _shard_lengths_fit(lengths, sum(lengths) if seq_len is None else seq_len, layout)
         seq_len = sum(lengths) if seq_len is None else seq_len
     else:
@@ -1568,7 +1576,7 @@ def context_parallel_block_sparse_attention(
     except Exception as error:  # noqa: BLE001  (raised below, on every rank)
         failed = error
     if validate:
-        _agree(group, rank, world, query, 0, fields, failed)
+        _agree(group, rank, world, (query, key, value), 0, fields, failed)
     elif failed is not None:
         raise failed
     if method is None:
@@ -1928,7 +1936,7 @@ def context_parallel_topk_attention(
         )
     except Exception as error:  # noqa: BLE001  (raised below, on every rank)
         failed = error
-    lengths = _agree(group, rank, world, query, 0 if failed else query.shape[2], fields, failed)
+    lengths = _agree(group, rank, world, (query, key, value), 0 if failed else query.shape[2], fields, failed)
     seq_len = sum(lengths)
     bounds = _shard_lengths_fit(lengths, seq_len, layout)
 

@@ -532,6 +532,12 @@ def _bad_input_cases(rank: int, world: int, errors) -> None:
             lambda: cp.context_parallel_attention(*bad_dtype),
         ),
         (
+            "a query that is not a tensor on one rank",
+            (TypeError, ValueError),
+            "query" if rank == last else rejected,
+            lambda: cp.context_parallel_attention(None if rank == last else local[0], *local[1:]),
+        ),
+        (
             "a shard one token short on one rank",
             ValueError,
             "the ranks' shards have",
