@@ -275,14 +275,20 @@ def gather_sequence(x: torch.Tensor, seq_len: int, *, group=None, layout: str = 
     rank, world = _group_info(group)
     _check_dim(x, dim)
     _args.at_least("seq_len", seq_len, 0)
+    return _gather(x, _own_shard_fits(x.shape[dim], seq_len, rank, world, layout), group, dim)
+
+
+def _own_shard_fits(length: int, seq_len: int, rank: int, world: int, layout: str) -> list[list[tuple[int, int]]]:
+    """The layout's bounds of ``seq_len`` over ``world`` ranks, this rank's shard length checked
+    against them (``_shard_lengths_fit`` checks every rank's, given them all)."""
     bounds = chunk_bounds(seq_len, world, layout)
     mine = sum(n for _, n in bounds[rank])
-    if x.shape[dim] != mine:
+    if length != mine:
         raise ValueError(
-            f"rank {rank}'s shard has {x.shape[dim]} tokens, but the {layout} layout of seq_len={seq_len} over "
+            f"rank {rank}'s shard has {length} tokens, but the {layout} layout of seq_len={seq_len} over "
             f"{world} ranks gives it {mine}"
         )
-    return _gather(x, bounds, group, dim)
+    return bounds
 
 
 def _check_dim(x: torch.Tensor, dim: int) -> None:
@@ -973,13 +979,7 @@ def context_parallel_attention(
     else:
         if failed is not None:
             raise failed
-        bounds = chunk_bounds(seq_len, world, layout)
-        mine = sum(n for _, n in bounds[rank])
-        if query.shape[2] != mine:
-            raise ValueError(
-                f"rank {rank}'s shard has {query.shape[2]} tokens, but the {layout} layout of {seq_len} tokens over "
-                f"{world} ranks gives it {mine}"
-            )
+        bounds = _own_shard_fits(query.shape[2], seq_len, rank, world, layout)
     if plan.method in ("queries", "ring"):
         out, lse = _DenseContextParallel.apply(query, key, value, bounds, scale, bool(causal), group, plan.method)
     else:
