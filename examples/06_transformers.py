@@ -1,7 +1,7 @@
 """A Hugging Face model on sparse_attn, with its attention switched at run time.
 
-    python examples/04_transformers.py                       # a tiny randomly initialised Llama
-    python examples/04_transformers.py --model PATH_OR_NAME  # any causal LM transformers loads
+    python examples/06_transformers.py                       # a tiny randomly initialised Llama
+    python examples/06_transformers.py --model PATH_OR_NAME  # any causal LM transformers loads
 
 Registers attn_implementation="sparse_attn", then generates from one prompt with every layer
 dense, with a sliding window, and with token top-k, and checks the dense run against SDPA. For each
