@@ -3,6 +3,14 @@
 Dense: the same output within tolerance. With a sparsity pattern: the measured error against the
 dense block and the speed of each variant (CUDA: bf16 at L = 8192; CPU: fp32 at L = 1024).
 
+The top-k row is the exact selection: every query scored against every key of its head, the
+best L / 8 kept per query head, then attended. It shows what a selection costs in accuracy, and it
+is slower than dense attention (this block ran ~10x slower on an H200): the scoring alone is half of
+dense attention's work, and each query head gathers its own keys. Top-k pays where a cheap scorer
+picks the keys (the lightning indexer: ``topk_attention(..., index_query=, index_key=,
+index_weights=)``) and many query heads share one selection (MQA, DeepSeek's 64 heads over one
+K/V head); the README's top-k section has the figures.
+
     python examples/03_transformer_block.py
 """
 
