@@ -13,9 +13,10 @@ to attend during generation:
 What to look for: the dense cache reproduces the reference's tokens exactly, several times faster
 per token on a CPU (13.2 against 2.3 ms on a 2-core Xeon). On a GPU this two-layer model's steps are
 bound by launching kernels, so the four take about the same time (an H200: 0.9-1.1 ms per token;
-sparse decode 1.7, its mask's dozen small ops per step included). The window drops the prompt's first tokens and with them most of the accuracy, while the
-sparse selection, which reads fewer tokens but keeps the first block, keeps most of it: the model
-leans on its first tokens (the attention-sink effect StreamingLLM describes).
+sparse decode 1.7, its mask's dozen small ops per step included). The window drops the prompt's
+first tokens and with them most of the accuracy, while the sparse selection, which reads fewer
+tokens but keeps the first block, keeps most of it: the model leans on its first tokens (the
+attention-sink effect StreamingLLM describes).
 
     python examples/04_generate.py        # CPU: fp32 (under a minute); CUDA: bf16
 """
