@@ -94,6 +94,14 @@ def _group_info(group) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
+def _nccl_for_cuda(group) -> bool:
+    """Whether the group's collectives on CUDA tensors run on NCCL: an "nccl" group, or one with
+    NCCL for CUDA beside gloo ("cpu:gloo,cuda:nccl", what ``init_process_group()`` without a
+    backend and ``init_device_mesh`` create)."""
+    backend = str(dist.get_backend(group))
+    return backend == "nccl" or "cuda:nccl" in backend
+
+
 _AGREED_FIELDS = 24  # the most arguments _agree compares (fields), a fixed size for the all-gather
 
 
@@ -118,8 +126,7 @@ def _agree(
     # gloo ("cpu:gloo,cuda:nccl"; measured on two H200s: NCCL's exchange ~100 us, gloo's ~220-460),
     # else the host.
     device = torch.device("cpu")
-    backend = str(dist.get_backend(group))
-    if backend == "nccl" or "cuda:nccl" in backend:
+    if _nccl_for_cuda(group):
         on_cuda = [t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
         device = on_cuda[0] if on_cuda else torch.device("cuda", torch.cuda.current_device())
     if len(fields) > _AGREED_FIELDS:
@@ -1071,7 +1078,7 @@ class _AllShards(torch.autograd.Function):
         slot[:lr].copy_(seq)
         if lr < longest:
             slot[lr:].zero_()
-        if dist.get_backend(group) == dist.Backend.NCCL:
+        if x.is_cuda and _nccl_for_cuda(group):
             dist.all_gather_into_tensor(buf, slot, group=group)  # in place: the input is the own slot
         else:
             dist.all_gather(list(buf.split(longest)), slot.clone(), group=group)
@@ -1082,7 +1089,7 @@ class _AllShards(torch.autograd.Function):
     def backward(ctx, grad):
         rank = dist.get_rank(ctx.group)
         g = grad.movedim(ctx.dim, 0).contiguous()
-        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+        if g.is_cuda and _nccl_for_cuda(ctx.group):
             mine = g.new_empty((ctx.longest, *g.shape[1:]))
             dist.reduce_scatter_tensor(mine, g, group=ctx.group)
         else:

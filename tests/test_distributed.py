@@ -411,6 +411,20 @@ def test_needs_a_process_group():
         cp.context_parallel_attention(q, q, q)
 
 
+@pytest.mark.parametrize(
+    "backend,nccl",
+    [("nccl", True), ("cpu:gloo,cuda:nccl", True), ("cuda:nccl", True), ("gloo", False), ("mpi", False)],
+)
+def test_collectives_on_cuda_tensors_use_nccl_where_the_group_has_it(backend, nccl, monkeypatch):
+    # Groups that init_process_group() without a backend and init_device_mesh create hold gloo and
+    # NCCL: CUDA tensors take the in-place all-gather, reduce-scatter and the argument check's NCCL
+    # exchange there too, not the host forms.
+    monkeypatch.setattr(
+        cp.dist, "get_backend", lambda group=None: dist.Backend(backend) if ":" not in backend else backend
+    )
+    assert cp._nccl_for_cuda(None) is nccl
+
+
 TOPK_CASES = [
     # (seq_len, H, Hkv, k, causal, indexer, layout, method)
     (150, 2, 1, 12, True, True, "zigzag", "alltoall"),
