@@ -1078,10 +1078,8 @@ class _AllShards(torch.autograd.Function):
         slot[:lr].copy_(seq)
         if lr < longest:
             slot[lr:].zero_()
-        if x.is_cuda and _nccl_for_cuda(group):
-            dist.all_gather_into_tensor(buf, slot, group=group)  # in place: the input is the own slot
-        else:
-            dist.all_gather(list(buf.split(longest)), slot.clone(), group=group)
+        # NCCL gathers in place (the input is the own slot); gloo wants an input apart from buf.
+        dist.all_gather_into_tensor(buf, slot if x.is_cuda and _nccl_for_cuda(group) else slot.clone(), group=group)
         ctx.group, ctx.lr, ctx.longest, ctx.dim = group, lr, longest, dim
         return buf.movedim(0, dim)
 
