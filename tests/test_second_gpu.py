@@ -1,5 +1,5 @@
-"""Every op on the second GPU while the current device stays cuda:0 (TESTING.md section 3 item 3:
-FlashInfer #452 / #924, kernels launched on the current device with another device's pointers).
+"""Every op on the second GPU while the current device stays cuda:0 (the device-guard bug class of
+FlashInfer #452 / #924: kernels launched on the current device with another device's pointers).
 Each call runs on cuda:0 and on cuda:1 from the same CPU inputs; the results must be equal (the
 same kernels on the same kind of GPU: bitwise for forwards, within a bf16 rounding for gradients,
 whose fp32 reductions may land in another order). Needs two GPUs; skips cleanly otherwise."""
